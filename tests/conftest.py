@@ -1,0 +1,16 @@
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+
+from tests.helpers import close_worlds  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_worlds():
+    yield
+    close_worlds()

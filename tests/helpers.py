@@ -1,0 +1,140 @@
+"""The fixture zoo and the multi-rank runner shared by the tests.
+
+Models here break naive ZeRO code: parameter sizes that do not divide the world size, a tied
+weight, a frozen parameter, a parameter unused on one rank, and a tiny transformer (with a tied
+embedding). `run_ranks` runs a module-level function on a persistent local gloo world.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+import zfunc
+from zfunc.launch import World
+from zfunc.models import GPT, GPTConfig, lm_loss
+
+_WORLDS: dict[int, World] = {}
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
+    """``fn(rank, *args)`` on every rank of a reused world of ``world_size`` gloo ranks."""
+    w = _WORLDS.get(world_size)
+    if w is None or not w.alive:
+        w = _WORLDS[world_size] = World(world_size, timeout=timeout)
+    return w.run(fn, *args, timeout=timeout)
+
+
+def close_worlds() -> None:
+    for w in _WORLDS.values():
+        if w.alive:
+            w.close()
+    _WORLDS.clear()
+
+
+class ZooNet(nn.Module):
+    """An MLP with an odd-sized parameter, a tied weight, a frozen layer and a branch some
+    ranks do not use (``batch["side"]`` is False there)."""
+
+    def __init__(self, d_in: int = 5, d: int = 7):
+        super().__init__()
+        self.inp = nn.Linear(d_in, d)
+        self.odd = nn.Parameter(torch.randn(d) * 0.1)  # 7 elements: divides no world size > 1
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, d)
+        self.b.weight = self.a.weight  # tied
+        self.frozen = nn.Linear(d, d)
+        self.frozen.requires_grad_(False)
+        self.side = nn.Linear(d, d)  # unused on ranks whose batch has side=False
+        self.out = nn.Linear(d, 3)
+
+    def forward(self, x: torch.Tensor, side: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x) + self.odd)
+        h = torch.tanh(self.a(h)) + torch.tanh(self.b(h * 0.5))
+        h = h + self.frozen(h)
+        if bool(side):
+            h = h + torch.tanh(self.side(h))
+        return self.out(h)
+
+
+def zoo_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return ((model(batch["x"], batch["side"]) - batch["y"]) ** 2).mean()
+
+
+def zoo_batch(step: int, rank: int, n: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return {"x": torch.randn(n, 5, generator=g), "y": torch.randn(n, 3, generator=g),
+            "side": torch.tensor(rank == 0)}
+
+
+TINY_GPT = GPTConfig(vocab_size=11, block_size=6, n_layer=1, n_head=2, d_model=6)
+
+
+def gpt_batch(step: int, rank: int, n: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randint(0, TINY_GPT.vocab_size, (n, TINY_GPT.block_size + 1), generator=g)
+    return {"x": x[:, :-1], "y": x[:, 1:]}
+
+
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[..., Any], Callable[..., Any]]] = {
+    "zoo": (ZooNet, zoo_loss, zoo_batch),
+    "gpt": (lambda: GPT(TINY_GPT), lm_loss, gpt_batch),
+}
+
+
+def split(batch: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
+    return zfunc.train.split_micro_batches(batch, n)
+
+
+def reference_run(name: str, world: int, steps: int, *, grad_accum: int, clip: float | None,
+                  micro: int = 2, lr: float = 1e-2, weight_decay: float = 0.01
+                  ) -> tuple[nn.Module, list[float]]:
+    """Single-process torch.optim.AdamW (+ clip_grad_norm_) on every rank's data, averaged.
+
+    Each optimizer step sees the mean loss over all ranks' micro-batches: the same objective as
+    data-parallel training. Returns the trained model and the grad norm of each step.
+    """
+    make, loss_fn, batch_fn = MODELS[name]
+    torch.manual_seed(0)
+    model = make()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
+                            weight_decay=weight_decay)
+    norms = []
+    for i in range(steps):
+        opt.zero_grad()
+        for r in range(world):
+            for mb in split(batch_fn(i, r, micro * grad_accum), grad_accum):
+                (loss_fn(model, mb) / (world * grad_accum)).backward()
+        params = [p for p in model.parameters() if p.requires_grad]
+        norms.append(torch.nn.utils.clip_grad_norm_(params, clip or float("inf")).item())
+        opt.step()
+    return model, norms
+
+
+def zfunc_run(rank: int, name: str, steps: int, cfg: zfunc.Config, micro: int = 2
+              ) -> tuple[zfunc.TrainState, list[float]]:
+    """The same training with zfunc on this rank; returns the state and each step's grad norm."""
+    make, loss_fn, batch_fn = MODELS[name]
+    torch.manual_seed(0)
+    state = zfunc.init(make(), cfg)
+    step = zfunc.train_step(loss_fn)
+    norms = []
+    for i in range(steps):
+        state = step(state, batch_fn(i, rank, micro * cfg.grad_accum))
+        norms.append(state.metrics.grad_norm.item())
+    return state, norms
+
+
+def max_param_diff(state: zfunc.TrainState, model: nn.Module) -> float:
+    full = zfunc.full_params(state)
+    ref = dict(model.named_parameters())
+    assert set(full) == {n for n, p in ref.items() if p.requires_grad}, (sorted(full), sorted(ref))
+    return max((full[n] - ref[n].detach()).abs().max().item() for n in full)
+
+
+def clone_module(m: nn.Module) -> nn.Module:
+    return copy.deepcopy(m)

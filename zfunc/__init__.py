@@ -1,0 +1,61 @@
+"""zfunc: ZeRO training as pure functions over an immutable training state.
+
+The training state (sharded parameters, gradients, optimizer moments, loss scaler) is one
+optree pytree, `TrainState`; `backward_step`, `accumulate` and `apply_step` transform it.
+"""
+
+from __future__ import annotations
+
+from zfunc import comm as comm
+from zfunc import schedules as schedules
+from zfunc._tree import tree as tree
+from zfunc.backward import accumulate as accumulate
+from zfunc.backward import backward_step as backward_step
+from zfunc.backward import vjp as vjp
+from zfunc.config import AdamConfig as AdamConfig
+from zfunc.config import Config as Config
+from zfunc.config import ConfigError as ConfigError
+from zfunc.config import DynamicLossScale as DynamicLossScale
+from zfunc.config import adam as adam
+from zfunc.config import adamw as adamw
+from zfunc.launch import World as World
+from zfunc.launch import launch as launch
+from zfunc.scaler import ScalerState as ScalerState
+from zfunc.state import AdamState as AdamState
+from zfunc.state import Metrics as Metrics
+from zfunc.state import TrainState as TrainState
+from zfunc.state import full_params as full_params
+from zfunc.state import init as init
+from zfunc.state import memory_report as memory_report
+from zfunc.train import train_step as train_step
+from zfunc.update import apply_step as apply_step
+from zfunc.update import learning_rate as learning_rate
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AdamConfig",
+    "AdamState",
+    "Config",
+    "ConfigError",
+    "DynamicLossScale",
+    "Metrics",
+    "ScalerState",
+    "TrainState",
+    "World",
+    "accumulate",
+    "adam",
+    "adamw",
+    "apply_step",
+    "backward_step",
+    "comm",
+    "full_params",
+    "init",
+    "launch",
+    "learning_rate",
+    "memory_report",
+    "schedules",
+    "train_step",
+    "tree",
+    "vjp",
+]

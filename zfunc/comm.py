@@ -1,0 +1,228 @@
+"""Collectives as explicit ops: new tensors out, inputs untouched, string reduce ops.
+
+A `Group` names the ranks of a ``torch.distributed`` process group (gloo on CPU, NCCL on GPU).
+A world of one needs no process group: every collective is then the identity, so doctests and
+single-process runs work without ``torch.distributed`` initialised.
+
+The differentiable forms (`gather_params`, `reduce_grads`) are the whole of ZeRO in autograd:
+the transpose of an all-gather is a reduce-scatter, so gradients reach their owners in whatever
+way backward is started (``torch.autograd.grad``, ``loss.backward()``, ``out.backward(g)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Group", "world", "all_reduce", "reduce_scatter", "all_gather", "broadcast",
+           "all_gather_object", "bind_unit"]
+
+_OPS = {"sum": "SUM", "avg": "AVG", "max": "MAX", "min": "MIN"}
+
+# torch 2.13 renamed the flat collectives; the old names warn on every call. One place knows.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Group:
+    """The ranks a collective runs over.
+
+    ``pg=None`` with ``size == 1`` is a world of one (no process group needed);
+    ``pg=None`` with ``size > 1`` means the default process group.
+
+    Examples:
+        >>> import zfunc
+        >>> g = zfunc.comm.world()
+        >>> g.rank, g.size
+        (0, 1)
+    """
+
+    rank: int
+    size: int
+    pg: Any = None
+
+    @property
+    def process_group(self) -> Any:
+        """The ``torch.distributed`` group to pass to collectives (None: the default group)."""
+        return self.pg
+
+    def __repr__(self) -> str:
+        return f"Group(rank={self.rank}, size={self.size})"
+
+
+def init_from_env(backend: str | None = None) -> bool:
+    """Initialise the default process group from torchrun's variables if they are set.
+
+    Returns whether a process group is initialised afterwards. Never initialises twice.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return True
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend=backend)
+        return True
+    return False
+
+
+def world() -> Group:
+    """The group of all ranks: the default process group if initialised, else a world of one.
+
+    Under ``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment) the default group is
+    initialised from the environment first.
+
+    Examples:
+        >>> import zfunc
+        >>> zfunc.comm.world().size
+        1
+    """
+    if init_from_env():
+        return Group(rank=dist.get_rank(), size=dist.get_world_size(), pg=None)
+    return Group(rank=0, size=1, pg=None)
+
+
+def _op(op: str) -> Any:
+    if op not in _OPS:
+        raise ValueError(f"op: expected one of {sorted(_OPS)}, got {op!r}")
+    return getattr(dist.ReduceOp, _OPS[op])
+
+
+def all_reduce(x: torch.Tensor, op: str = "sum", group: Group | None = None) -> torch.Tensor:
+    """Reduce ``x`` over the ranks of ``group``; every rank gets the result. ``x`` is untouched.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> zfunc.comm.all_reduce(torch.tensor([1.0, 2.0]), op="max").tolist()
+        [1.0, 2.0]
+    """
+    group = group or world()
+    out = x.clone()
+    if group.size > 1:
+        dist.all_reduce(out, op=_op(op), group=group.pg)
+    return out
+
+
+def all_reduce_(x: torch.Tensor, op: str = "sum", group: Group | None = None) -> torch.Tensor:
+    """`all_reduce` in place (for donated buffers); returns ``x``."""
+    group = group or world()
+    if group.size > 1:
+        dist.all_reduce(x, op=_op(op), group=group.pg)
+    return x
+
+
+def reduce_scatter(x: torch.Tensor, op: str = "sum", group: Group | None = None) -> torch.Tensor:
+    """Reduce a flat ``x`` over the ranks; rank ``r`` gets slice ``r`` of ``size`` equal slices.
+
+    ``x.numel()`` must divide by the group size (zfunc pads its buffers to make it so).
+
+    Examples:
+        >>> import torch, zfunc
+        >>> zfunc.comm.reduce_scatter(torch.arange(4.0)).tolist()
+        [0.0, 1.0, 2.0, 3.0]
+    """
+    group = group or world()
+    x = x.reshape(-1)
+    if x.numel() % group.size:
+        raise ValueError(f"reduce_scatter: {x.numel()} elements do not divide by the group size "
+                         f"{group.size}; pad the buffer to a multiple of it")
+    if group.size == 1:
+        return x.clone()
+    out = x.new_empty(x.numel() // group.size)
+    _reduce_scatter_flat(out, x.contiguous(), op=_op(op), group=group.pg)
+    return out
+
+
+def all_gather(x: torch.Tensor, group: Group | None = None) -> torch.Tensor:
+    """Concatenate the flat ``x`` of every rank, in rank order.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> zfunc.comm.all_gather(torch.tensor([1.0, 2.0])).tolist()
+        [1.0, 2.0]
+    """
+    group = group or world()
+    x = x.reshape(-1)
+    if group.size == 1:
+        return x.clone()
+    out = x.new_empty(x.numel() * group.size)
+    _all_gather_flat(out, x.contiguous(), group=group.pg)
+    return out
+
+
+def all_gather_into(out: torch.Tensor, x: torch.Tensor, group: Group) -> torch.Tensor:
+    """`all_gather` into a given flat buffer (for donated state); returns ``out``."""
+    if group.size == 1:
+        if out.data_ptr() != x.data_ptr():
+            out.copy_(x.reshape(-1))
+        return out
+    _all_gather_flat(out, x.reshape(-1).contiguous(), group=group.pg)
+    return out
+
+
+def broadcast(x: torch.Tensor, src: int = 0, group: Group | None = None) -> torch.Tensor:
+    """Every rank gets rank ``src``'s ``x`` (``src`` is a rank within ``group``).
+
+    Examples:
+        >>> import torch, zfunc
+        >>> zfunc.comm.broadcast(torch.tensor([3.0])).tolist()
+        [3.0]
+    """
+    group = group or world()
+    out = x.clone()
+    if group.size > 1:
+        global_src = src if group.pg is None else dist.get_global_rank(group.pg, src)
+        dist.broadcast(out, src=global_src, group=group.pg)
+    return out
+
+
+def all_gather_object(obj: Any, group: Group | None = None) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order (for checks at init, never per step)."""
+    group = group or world()
+    if group.size == 1:
+        return [obj]
+    out: list[Any] = [None] * group.size
+    dist.all_gather_object(out, obj, group=group.pg)
+    return out
+
+
+class _Bind(torch.autograd.Function):
+    """A unit's full flat parameters in forward; its gradient delivered to ``sink`` in backward.
+
+    Forward returns ``full`` when it already exists (stages 0-2), else all-gathers ``shard``
+    (stage 3). Backward sends the gradient to ``sink`` (a zero-cost, shard- or full-shaped leaf
+    in the accumulation dtype): reduce-scattered, summed over ranks, when ``scatter`` (stages 2-3,
+    the transpose of the all-gather), else as it is (stages 0-1 reduce at the step boundary).
+    """
+
+    @staticmethod
+    def forward(sink: torch.Tensor, shard: torch.Tensor | None, full: torch.Tensor | None,
+                group: Group, reduce_dtype: torch.dtype, scatter: bool) -> torch.Tensor:
+        if full is None:
+            return all_gather(shard, group)
+        return full.view_as(full)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        sink, _, _, ctx.group, ctx.reduce_dtype, ctx.scatter = inputs
+        ctx.sink_dtype = sink.dtype
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        if ctx.scatter:
+            grad = reduce_scatter(grad.to(ctx.reduce_dtype), "sum", ctx.group)
+        return grad.to(ctx.sink_dtype), None, None, None, None, None
+
+
+def bind_unit(sink: torch.Tensor, shard: torch.Tensor | None, full: torch.Tensor | None,
+              group: Group, reduce_dtype: torch.dtype, scatter: bool) -> torch.Tensor:
+    """A unit's full flat parameters, differentiable with respect to ``sink``.
+
+    ``full=None`` all-gathers ``shard`` in forward (ZeRO-3). With ``scatter`` the backward is a
+    sum reduce-scatter (the transpose of all-gather), so ``sink`` receives this rank's shard of
+    the gradient summed over ranks; without it ``sink`` receives the full local gradient.
+    """
+    return _Bind.apply(sink, shard, full, group, reduce_dtype, scatter)

@@ -1,0 +1,135 @@
+"""Where every parameter lives: units, zero padding, and each rank's contiguous arena.
+
+Trainable parameters are grouped into *units* (the whole model for stages 0-2, usually one
+block each for stage 3). A unit's parameters are flattened into one buffer, zero-padded to a
+multiple of ``world * align``, and cut into ``world`` equal slices: rank ``r`` owns slice ``r``.
+On each rank the owned slices of all units sit back to back in one *arena* per role (master,
+moments, gradient), so the optimizer is one kernel over one contiguous buffer.
+
+The layout is computed once from names and shapes and is static metadata of the state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+from einops import rearrange
+
+__all__ = ["Slot", "Unit", "Layout", "make_layout"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """One parameter inside its unit's flat buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """Parameters flattened together; ``padded`` elements, ``shard`` of them per rank."""
+
+    name: str
+    slots: tuple[Slot, ...]
+    numel: int
+    padded: int
+    shard: int
+    arena_offset: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The static map from parameter names to flat buffers for one rank of one world.
+
+    Examples:
+        >>> import torch
+        >>> from zfunc.layout import make_layout
+        >>> lay = make_layout([[("w", (3, 3)), ("b", (3,))]], world=2, rank=1, align=4)
+        >>> u = lay.units[0]
+        >>> u.numel, u.padded, u.shard, lay.owned(u)
+        (12, 16, 8, (8, 16))
+    """
+
+    units: tuple[Unit, ...]
+    world: int
+    rank: int
+    align: int
+
+    @property
+    def arena_numel(self) -> int:
+        """Elements of this rank's arena (its slices of every unit)."""
+        return sum(u.shard for u in self.units)
+
+    @property
+    def full_numel(self) -> int:
+        """Elements of all units' padded flat buffers together."""
+        return sum(u.padded for u in self.units)
+
+    @property
+    def numel(self) -> int:
+        """Trainable elements without padding."""
+        return sum(u.numel for u in self.units)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(s.name for u in self.units for s in u.slots)
+
+    def owned(self, unit: Unit) -> tuple[int, int]:
+        """The ``[start, stop)`` range of ``unit``'s flat buffer that this rank owns."""
+        return self.rank * unit.shard, (self.rank + 1) * unit.shard
+
+    def arena_slice(self, arena: torch.Tensor, unit: Unit) -> torch.Tensor:
+        """``unit``'s part of a rank arena (a view)."""
+        return arena.narrow(0, unit.arena_offset, unit.shard)
+
+    def flatten_unit(self, unit: Unit, tensors: Mapping[str, torch.Tensor],
+                     dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        """A new padded flat buffer holding ``tensors`` (missing names are zeros)."""
+        flat = torch.zeros(unit.padded, dtype=dtype, device=device)
+        for s in unit.slots:
+            t = tensors.get(s.name)
+            if t is not None:
+                flat.narrow(0, s.offset, s.numel).copy_(t.detach().reshape(-1))
+        return flat
+
+    def views(self, unit: Unit, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Parameter-shaped views into ``unit``'s flat buffer (differentiable)."""
+        return {s.name: flat.narrow(0, s.offset, s.numel).view(s.shape) for s in unit.slots}
+
+    def rank_slices(self, unit: Unit, flat: torch.Tensor) -> torch.Tensor:
+        """``unit``'s flat buffer seen as ``(world, shard)``: row ``r`` is what rank ``r`` owns."""
+        return rearrange(flat, "(r s) -> r s", r=self.world)
+
+
+def make_layout(units: Sequence[Sequence[tuple[str, Sequence[int]]]], *, world: int, rank: int,
+                align: int = 4, names: Sequence[str] | None = None) -> Layout:
+    """Lay out ``units`` (each a list of ``(name, shape)``) for ``rank`` of ``world`` ranks.
+
+    Each unit is padded to a multiple of ``world * align`` elements, so every shard has the
+    same size and (for ``align=4`` and 4-byte dtypes) starts 16-byte aligned.
+    """
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is outside a world of {world}")
+    out, arena = [], 0
+    for i, unit in enumerate(units):
+        slots, offset = [], 0
+        for name, shape in unit:
+            slot = Slot(name=name, shape=tuple(int(d) for d in shape), offset=offset)
+            slots.append(slot)
+            offset += slot.numel
+        multiple = world * align
+        padded = max(multiple, -(-offset // multiple) * multiple)
+        uname = names[i] if names is not None else f"unit{i}"
+        out.append(Unit(name=uname, slots=tuple(slots), numel=offset, padded=padded,
+                        shard=padded // world, arena_offset=arena))
+        arena += padded // world
+    return Layout(units=tuple(out), world=world, rank=rank, align=align)

@@ -1,0 +1,108 @@
+"""The loss scale as plain state: a pytree of device tensors and a pure update.
+
+DeepSpeed's ZeRO rule (``deepspeed/runtime/fp16/loss_scaler.py``), with ``S`` the scale, ``t`` the
+update count, ``L`` the count at the last overflow, ``h`` the hysteresis left (``H`` when full)
+and ``W`` the window:
+
+* overflow: if ``H == 1`` or ``h == 1`` then ``S = max(S / 2, min_scale)``, else ``h -= 1``;
+  ``L = t``.
+* clean step: with ``consecutive_hysteresis``, ``h = H``. If ``k = t - L - 1 > 0`` and
+  ``k % W == 0`` then ``S *= 2`` (and, without ``consecutive_hysteresis``, ``h = H``).
+* ``t += 1``.
+
+One knowing difference: DeepSpeed raises when an overflow arrives with the scale already at the
+minimum. Raising needs the host to read ``found_inf`` every step; zfunc instead stays at the
+minimum and keeps skipping, and ``metrics.skipped`` / ``ScalerState.skipped`` say so.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zfunc._tree import dataclass
+from zfunc.config import Config, DynamicLossScale
+
+__all__ = ["ScalerState", "scaler_init", "scaler_update"]
+
+
+@dataclass(frozen=True)
+class ScalerState:
+    """Loss-scale state: every field a device scalar.
+
+    Attributes:
+        scale: the current loss scale (float32; exactly 1 when scaling is off).
+        iteration: optimizer updates seen (``t``).
+        last_overflow: ``t`` at the last overflow (``-1`` before any).
+        hysteresis: overflows still absorbed before the scale halves (``h``).
+        skipped: steps skipped because of an overflow, in total.
+    """
+
+    scale: torch.Tensor
+    iteration: torch.Tensor
+    last_overflow: torch.Tensor
+    hysteresis: torch.Tensor
+    skipped: torch.Tensor
+
+
+def scaler_init(cfg: Config, device: torch.device | str = "cpu") -> ScalerState:
+    """The scaler state a run starts with.
+
+    Examples:
+        >>> import zfunc
+        >>> from zfunc.scaler import scaler_init
+        >>> s = scaler_init(zfunc.Config(precision="fp16", loss_scale=zfunc.DynamicLossScale(init=256.0)))
+        >>> s.scale.item(), s.hysteresis.item()
+        (256.0, 2)
+    """
+    ls = cfg.loss_scale
+    init = ls.init if isinstance(ls, DynamicLossScale) else float(ls or 1.0)
+    hyst = ls.hysteresis if isinstance(ls, DynamicLossScale) else 1
+
+    def i64(v: int) -> torch.Tensor:
+        return torch.tensor(v, dtype=torch.int64, device=device)
+
+    return ScalerState(scale=torch.tensor(init, dtype=torch.float32, device=device),
+                       iteration=i64(0), last_overflow=i64(-1), hysteresis=i64(hyst), skipped=i64(0))
+
+
+def scaler_update(s: ScalerState, found_inf: torch.Tensor, cfg: Config) -> ScalerState:
+    """The scaler after one optimizer step whose gradients overflowed iff ``found_inf > 0``.
+
+    Pure and branch-free on the device: no host sync.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> from zfunc.scaler import scaler_init, scaler_update
+        >>> cfg = zfunc.Config(precision="fp16", loss_scale=zfunc.DynamicLossScale(init=16.0, hysteresis=1))
+        >>> s = scaler_init(cfg)
+        >>> for overflow in [1, 1, 0]:
+        ...     s = scaler_update(s, torch.tensor(float(overflow)), cfg)
+        ...     print(s.scale.item(), s.skipped.item())
+        8.0 1
+        4.0 2
+        4.0 2
+    """
+    overflow = found_inf > 0
+    skipped = s.skipped + overflow.to(torch.int64)
+    ls = cfg.loss_scale
+    if not isinstance(ls, DynamicLossScale):
+        return ScalerState(scale=s.scale, iteration=s.iteration + 1,
+                           last_overflow=torch.where(overflow, s.iteration, s.last_overflow),
+                           hysteresis=s.hysteresis, skipped=skipped)
+    full = torch.full_like(s.hysteresis, ls.hysteresis)
+    # Overflow branch.
+    halve = overflow & ((ls.hysteresis == 1) | (s.hysteresis == 1))
+    halved = torch.clamp(s.scale / 2, min=ls.min_scale)
+    h_after_overflow = torch.where(halve, s.hysteresis, s.hysteresis - 1)
+    # Clean branch.
+    k = s.iteration - s.last_overflow - 1
+    grow = (~overflow) & (k > 0) & (k % ls.window == 0)
+    if ls.consecutive_hysteresis:
+        h_clean = full
+    else:
+        h_clean = torch.where(grow, full, s.hysteresis)
+    scale = torch.where(halve, halved, torch.where(grow, s.scale * 2, s.scale))
+    hysteresis = torch.where(overflow, h_after_overflow, h_clean)
+    last = torch.where(overflow, s.iteration, s.last_overflow)
+    return ScalerState(scale=scale, iteration=s.iteration + 1, last_overflow=last,
+                       hysteresis=hysteresis, skipped=skipped)

@@ -1,0 +1,246 @@
+"""`TrainState`: the whole training run as one immutable pytree, and how it is made.
+
+Leaves are tensors; what never changes during training (the module, the config, the layout,
+the group) is static metadata. Reading a leaf is the only thing that syncs with the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from zfunc import comm
+from zfunc._tree import dataclass, field
+from zfunc.config import Config, ConfigError
+from zfunc.layout import Layout, make_layout
+from zfunc.scaler import ScalerState, scaler_init
+
+__all__ = ["TrainState", "AdamState", "Metrics", "init", "full_params", "memory_report"]
+
+
+@dataclass(frozen=True)
+class AdamState:
+    """Adam moments over this rank's arena, and the number of updates applied."""
+
+    mu: torch.Tensor
+    nu: torch.Tensor
+    count: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """Device scalars of the last optimizer step (read them to log; reading syncs)."""
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    loss_scale: torch.Tensor
+    skipped: torch.Tensor
+    lr: torch.Tensor
+
+
+@dataclass(frozen=True)
+class TrainState:
+    """One rank's view of a training run.
+
+    Attributes:
+        params: master parameters this rank owns (its arena; the full buffer at stage 0).
+        compute: the compute-dtype parameters forward uses: the full padded flat buffer for
+            stages 0-2, this rank's arena for stage 3. Aliases ``params`` when the dtypes agree.
+        grads: the gradient accumulator: full for stages 0-1, this rank's arena for 2-3.
+        opt: `AdamState` shaped like ``params``.
+        scaler: `zfunc.scaler.ScalerState`.
+        step: optimizer steps taken (skipped ones included), int64.
+        micro_step: micro-batches accumulated since the last step, int64.
+        loss_sum: sum of this rank's micro-batch losses since the last step.
+        metrics: `Metrics` of the last step.
+        frozen: parameters that do not train and buffers, replicated, by name.
+    """
+
+    params: torch.Tensor
+    compute: torch.Tensor
+    grads: torch.Tensor
+    opt: AdamState
+    scaler: ScalerState
+    step: torch.Tensor
+    micro_step: torch.Tensor
+    loss_sum: torch.Tensor
+    metrics: Metrics
+    frozen: dict[str, torch.Tensor]
+    module: torch.nn.Module = field(pytree_node=False)
+    cfg: Config = field(pytree_node=False)
+    layout: Layout = field(pytree_node=False)
+    group: comm.Group = field(pytree_node=False)
+
+    def replace(self, **changes: Any) -> TrainState:
+        """A new state with ``changes``; the tensors not named are shared, not copied."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def stage(self) -> int:
+        return self.cfg.stage
+
+    @property
+    def device(self) -> torch.device:
+        return self.params.device
+
+
+def _signature(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:
+    return [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()]
+
+
+def _check_same_everywhere(model: torch.nn.Module, group: comm.Group) -> None:
+    sigs = comm.all_gather_object(_signature(model), group)
+    for i in range(max(len(s) for s in sigs)):
+        entries = [s[i] if i < len(s) else None for s in sigs]
+        if any(e != entries[0] for e in entries):
+            seen = ", ".join(f"rank {r}: {e if e is None else f'{e[0]} {list(e[1])} {e[2]}'}"
+                             f"{'' if e is None or e[3] else ' (frozen)'}"
+                             for r, e in enumerate(entries))
+            raise ConfigError(
+                f"model: the parameters differ across ranks at parameter #{i} ({seen}); "
+                "build the same model on every rank")
+
+
+def _units(model: torch.nn.Module, cfg: Config,
+           trainable: dict[str, torch.Tensor]) -> tuple[list[list[tuple[str, tuple]]], list[str]]:
+    """Group trainable parameters into units: one for stages 0-2, per ``cfg.units`` for 3."""
+    if cfg.stage < 3 or not cfg.units:
+        return [[(n, tuple(p.shape)) for n, p in trainable.items()]], ["model"]
+    owner: dict[str, str] = {}
+    for mname, mod in model.named_modules():
+        if any(u == mname or (isinstance(u, type) and isinstance(mod, u)) for u in cfg.units):
+            for pname, _ in mod.named_parameters(prefix=mname):
+                owner.setdefault(pname, mname)
+    groups: dict[str, list[tuple[str, tuple]]] = {}
+    for n, p in trainable.items():  # units in the order their first parameter appears
+        groups.setdefault(owner.get(n, "root"), []).append((n, tuple(p.shape)))
+    return list(groups.values()), list(groups)
+
+
+def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None) -> TrainState:
+    """The initial `TrainState` of ``model`` trained as ``cfg`` says, on ``group``.
+
+    Rank 0's parameter values are broadcast to every rank (as DDP and DeepSpeed do). The module
+    itself is not changed; forward binds it to the state's tensors.
+
+    Args:
+        model: the module to train. Parameters with ``requires_grad=False`` stay frozen.
+        cfg: the `Config`.
+        group: the ranks; ``None`` means `zfunc.comm.world()`.
+
+    Returns:
+        The state, with zero gradients and moments and ``step == 0``.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> state = zfunc.init(torch.nn.Linear(3, 2), zfunc.Config(stage=2))
+        >>> state.step.item(), state.params.shape, state.layout.numel
+        (0, torch.Size([8]), 8)
+    """
+    group = group or comm.world()
+    if group.size > 1:
+        _check_same_everywhere(model, group)
+    named = dict(model.named_parameters())
+    trainable = {n: p for n, p in named.items() if p.requires_grad}
+    if not trainable:
+        raise ConfigError("model: has no parameter with requires_grad=True; nothing to train")
+    device = next(iter(trainable.values())).device
+    units, unit_names = _units(model, cfg, trainable)
+    layout = make_layout(units, world=group.size, rank=group.rank, align=cfg.align, names=unit_names)
+    frozen = {n: comm.broadcast(p.detach(), 0, group) for n, p in named.items() if not p.requires_grad}
+    frozen.update({n: b.detach().clone() for n, b in model.named_buffers()})
+
+    cdt, mdt = cfg.compute_dtype, cfg.master_dtype
+    full_master = [comm.broadcast(layout.flatten_unit(u, trainable, mdt, device), 0, group)
+                   for u in layout.units]
+    if cfg.stage == 0:
+        params = torch.cat(full_master)
+    else:
+        params = torch.cat([flat.narrow(0, *_start_len(layout.owned(u))) for u, flat in
+                            zip(layout.units, full_master)])
+    if cfg.stage == 3:
+        compute = params if cdt == mdt else params.to(cdt)
+    else:
+        compute = torch.cat(full_master).to(cdt)
+        if cdt == mdt:  # the master shard is a view of the compute buffer: no second copy
+            params = _master_view(compute, layout, cfg.stage)
+    grads_numel = layout.full_numel if cfg.stage < 2 else layout.arena_numel
+    zeros = torch.zeros(params.numel(), dtype=cfg.moment_dtype, device=device)
+
+    def scalar(v: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.tensor(v, dtype=dtype, device=device)
+
+    scaler = scaler_init(cfg, device)
+    lr0 = cfg.lr_schedule(0) if cfg.lr_schedule else cfg.optimizer.lr
+    return TrainState(
+        params=params, compute=compute,
+        grads=torch.zeros(grads_numel, dtype=cfg.grad_accum_dtype, device=device),
+        opt=AdamState(mu=zeros, nu=zeros.clone(), count=scalar(0, torch.int64)),
+        scaler=scaler, step=scalar(0, torch.int64), micro_step=scalar(0, torch.int64),
+        loss_sum=scalar(0.0),
+        metrics=Metrics(loss=scalar(float("nan")), grad_norm=scalar(0.0), loss_scale=scaler.scale.clone(),
+                        skipped=scalar(0.0), lr=torch.as_tensor(lr0, dtype=torch.float32).to(device)),
+        frozen=frozen, module=model, cfg=cfg, layout=layout, group=group)
+
+
+def _start_len(rng: tuple[int, int]) -> tuple[int, int]:
+    return rng[0], rng[1] - rng[0]
+
+
+def _master_view(compute: torch.Tensor, layout: Layout, stage: int) -> torch.Tensor:
+    """The master parameters as a view of the full compute buffer (stages 0-2, one unit)."""
+    if stage == 0:
+        return compute
+    (unit,) = layout.units
+    return compute.narrow(0, *_start_len(layout.owned(unit)))
+
+
+def full_params(state: TrainState) -> dict[str, torch.Tensor]:
+    """Every trainable parameter, full and in the master dtype, by name.
+
+    Names are those of ``model.named_parameters()`` (a tied weight appears once). At stages 1-3
+    this gathers the shards (a collective: call it on every rank).
+
+    Examples:
+        >>> import torch, zfunc
+        >>> torch.manual_seed(0) and None
+        >>> model = torch.nn.Linear(2, 1)
+        >>> p = zfunc.full_params(zfunc.init(model, zfunc.Config()))
+        >>> sorted(p), torch.equal(p["weight"], model.weight.detach())
+        (['bias', 'weight'], True)
+    """
+    lay, out = state.layout, {}
+    for unit in lay.units:
+        if state.stage == 0:
+            flat = state.params.narrow(0, 0, unit.padded)
+        else:
+            flat = comm.all_gather(lay.arena_slice(state.params, unit), state.group)
+        out.update({k: v.clone() for k, v in lay.views(unit, flat).items()})
+    return out
+
+
+def memory_report(state: TrainState) -> dict[str, int]:
+    """Bytes this rank holds for parameters, gradients and optimizer state.
+
+    ``params`` counts the compute copy and the master copy once each (once in total where they
+    share memory); ``optimizer`` counts the moments; ``total`` adds them up.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> rep = zfunc.memory_report(zfunc.init(torch.nn.Linear(7, 1), zfunc.Config(stage=0)))
+        >>> rep["params"], rep["grads"], rep["optimizer"]
+        (32, 32, 64)
+    """
+    def nbytes(*ts: torch.Tensor) -> int:
+        seen: dict[int, int] = {}
+        for t in ts:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+        return sum(seen.values())
+
+    rep = {"params": nbytes(state.params, state.compute), "grads": nbytes(state.grads),
+           "optimizer": nbytes(state.opt.mu) + nbytes(state.opt.nu)}
+    rep["total"] = sum(rep.values())
+    return rep

@@ -1,0 +1,77 @@
+"""`train_step`: a whole optimizer step over one batch, split into micro-batches."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from einops import rearrange
+
+from zfunc._tree import tree
+from zfunc.backward import backward_step
+from zfunc.config import ConfigError
+from zfunc.state import TrainState
+from zfunc.update import apply_step
+
+__all__ = ["train_step", "split_micro_batches"]
+
+
+def split_micro_batches(batch: Any, n: int) -> list[Any]:
+    """Split dim 0 of every tensor in ``batch`` into ``n`` micro-batches.
+
+    Non-tensor leaves and 0-dim tensors are passed to every micro-batch as they are.
+
+    Examples:
+        >>> import torch
+        >>> from zfunc.train import split_micro_batches
+        >>> parts = split_micro_batches({"x": torch.arange(6).reshape(6, 1)}, 3)
+        >>> [p["x"].flatten().tolist() for p in parts]
+        [[0, 1], [2, 3], [4, 5]]
+    """
+    leaves, spec = tree.flatten(batch)
+    split = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            if leaf.shape[0] % n:
+                raise ConfigError(
+                    f"batch: a tensor of shape {list(leaf.shape)} cannot be split into grad_accum={n} "
+                    f"micro-batches along dim 0; make its dim 0 a multiple of {n} or change grad_accum")
+            split.append(rearrange(leaf, "(g b) ... -> g b ...", g=n))
+        else:
+            split.append(None)
+    return [tree.unflatten(spec, [s[i] if s is not None else leaf for s, leaf in zip(split, leaves)])
+            for i in range(n)]
+
+
+def train_step(loss_fn: Callable[..., Any], *, has_aux: bool = False,
+               donate: bool = True) -> Callable[[TrainState, Any], TrainState]:
+    """A function ``(state, batch) -> state`` doing one optimizer step on ``batch``.
+
+    Dim 0 of every tensor in ``batch`` is split into ``cfg.grad_accum`` micro-batches; each runs
+    `backward_step`, then `apply_step` updates. The step donates the state it is given (as JAX's
+    ``donate_argnums`` would): do not use that state again.
+
+    Args:
+        loss_fn: ``(model, micro_batch) -> loss`` (``(loss, aux)`` with ``has_aux``; aux is
+            dropped).
+        has_aux: ``loss_fn`` returns ``(loss, aux)``.
+        donate: reuse the input state's buffers (default ``True``).
+
+    Examples:
+        >>> import torch, zfunc
+        >>> torch.manual_seed(0) and None
+        >>> state = zfunc.init(torch.nn.Linear(2, 1), zfunc.Config(grad_accum=2, optimizer=zfunc.adamw(lr=0.1)))
+        >>> step = zfunc.train_step(lambda model, b: ((model(b["x"]) - b["y"]) ** 2).mean())
+        >>> batch = {"x": torch.ones(4, 2), "y": torch.zeros(4, 1)}
+        >>> for _ in range(3):
+        ...     state = step(state, batch)
+        >>> state.step.item(), round(state.metrics.loss.item(), 4)
+        (3, 0.0064)
+    """
+    def step(state: TrainState, batch: Any) -> TrainState:
+        for micro in split_micro_batches(batch, state.cfg.grad_accum):
+            state, _ = backward_step(state, loss_fn, micro, has_aux=has_aux, donate=donate)
+        return apply_step(state, donate=donate)
+
+    return step

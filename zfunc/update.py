@@ -1,0 +1,144 @@
+"""`apply_step`: reduce, check, clip, update, gather.
+
+The one optimizer step of every stage, written so the algorithm reads plainly:
+
+1. reduce the accumulated gradient to its owners (stage 0: all-reduce; stage 1: reduce-scatter;
+   stages 2-3 already reduced during backward);
+2. check: one read-only pass gives ``found_inf`` and the sum of squares; one tiny all-reduce
+   makes every rank agree on both (and on the mean loss);
+3. clip: ``coef = min(1, clip / (norm + 1e-6))``, as `torch.nn.utils.clip_grad_norm_`;
+4. update: one fused pass unscales, clips, skips on overflow, applies Adam/AdamW and writes the
+   compute-dtype copy;
+5. gather the updated compute parameters (stages 1-2).
+
+Nothing here reads a device value on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import zfunc_kernels
+from zfunc import comm
+from zfunc.scaler import scaler_update
+from zfunc.state import AdamState, Metrics, TrainState, _master_view
+
+__all__ = ["apply_step", "learning_rate"]
+
+
+def learning_rate(state: TrainState) -> torch.Tensor:
+    """The learning rate the next applied step uses (a float32 device scalar).
+
+    Schedules advance with applied steps only: a step skipped for overflow does not move them.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> state = zfunc.init(torch.nn.Linear(1, 1), zfunc.Config(optimizer=zfunc.adamw(lr=0.1)))
+        >>> round(zfunc.learning_rate(state).item(), 6)
+        0.1
+    """
+    cfg = state.cfg
+    lr = cfg.lr_schedule(state.opt.count) if cfg.lr_schedule else cfg.optimizer.lr
+    return torch.as_tensor(lr, dtype=torch.float32).to(state.device)
+
+
+def _reduce(state: TrainState, donate: bool) -> torch.Tensor:
+    """This rank's summed gradient over the optimizer's domain, in the accumulation dtype."""
+    cfg, group = state.cfg, state.group
+    if state.stage >= 2 or group.size == 1:
+        return state.grads
+    wire = state.grads.to(cfg.reduce_dtype)
+    if state.stage == 0:
+        out = comm.all_reduce_(wire if (donate or wire is not state.grads) else wire.clone(), "sum", group)
+    else:
+        out = comm.reduce_scatter(wire, "sum", group)
+    return out.to(cfg.grad_accum_dtype)
+
+
+def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
+    """Apply one optimizer step with the gradients accumulated since the last one.
+
+    Reduce, unscale, check for overflow, clip, update, gather. On an overflow (any non-finite
+    gradient on any rank) the step is skipped on every rank: parameters and moments stay bitwise
+    unchanged, the loss scale backs off, and ``metrics.skipped`` is 1.
+
+    Args:
+        state: the `TrainState`.
+        donate: update ``state``'s buffers in place (``state`` must not be used again); without
+            it ``state`` is left bitwise unchanged.
+
+    Returns:
+        The new state: ``step + 1``, gradients zeroed, ``metrics`` filled in.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> torch.manual_seed(0) and None
+        >>> state = zfunc.init(torch.nn.Linear(2, 1), zfunc.Config(optimizer=zfunc.adamw(lr=0.1)))
+        >>> loss_fn = lambda model, x: model(x).sum()
+        >>> for _ in range(3):
+        ...     state, loss = zfunc.backward_step(state, loss_fn, torch.ones(1, 2))
+        ...     state = zfunc.apply_step(state)
+        ...     print(round(state.metrics.loss.item(), 4))
+        0.0284
+        -0.2714
+        -0.5712
+    """
+    cfg, lay, group = state.cfg, state.layout, state.group
+    grad = _reduce(state, donate)
+
+    # Check: found_inf and sum of squares of this rank's part, then agree across ranks.
+    stats = zfunc_kernels.overflow_sumsq(grad)
+    local = torch.stack([state.loss_sum, state.micro_step.to(torch.float32)])
+    if state.stage == 0:  # every rank holds the whole reduced gradient already
+        agreed = torch.cat([stats, comm.all_reduce(local, "sum", group)])
+    else:
+        agreed = comm.all_reduce(torch.cat([stats, local]), "sum", group)
+    found_inf = (agreed[0] > 0).to(torch.float32)
+    inv_scale = (1.0 / state.scaler.scale).to(torch.float32)
+    grad_norm = agreed[1].sqrt() * inv_scale
+    if cfg.clip_value > 0:
+        clip_coef = torch.clamp(cfg.clip_value / (grad_norm + 1e-6), max=1.0)
+    else:
+        clip_coef = torch.ones((), dtype=torch.float32, device=state.device)
+    lr = learning_rate(state)
+
+    # Update this rank's master, moments and compute copy in one pass.
+    compute = state.compute if donate else state.compute.clone()
+    aliased = state.params.untyped_storage().data_ptr() == state.compute.untyped_storage().data_ptr()
+    if aliased and state.stage < 3:
+        master = _master_view(compute, lay, state.stage)
+    elif aliased:
+        master = compute
+    else:
+        master = state.params if donate else state.params.clone()
+    mu = state.opt.mu if donate else state.opt.mu.clone()
+    nu = state.opt.nu if donate else state.opt.nu.clone()
+    count = state.opt.count.clone()
+    if aliased:
+        compute_out = None
+    elif state.stage in (0, 3):
+        compute_out = compute
+    else:
+        compute_out = torch.empty(lay.arena_numel, dtype=compute.dtype, device=compute.device)
+    opt = cfg.optimizer
+    zfunc_kernels.fused_adam(master, grad, mu, nu, step=count, lr=lr, inv_scale=inv_scale,
+                             clip_coef=clip_coef, found_inf=found_inf, beta1=opt.betas[0],
+                             beta2=opt.betas[1], eps=opt.eps, weight_decay=opt.weight_decay,
+                             decoupled=opt.decoupled, compute=compute_out)
+
+    # Gather the updated compute parameters where forward reads them in full.
+    if state.stage in (1, 2):
+        shard = master.clone() if aliased else compute_out
+        comm.all_gather_into(compute, shard, group)
+    params = master if not aliased or state.stage == 3 else _master_view(compute, lay, state.stage)
+
+    grads = state.grads.zero_() if donate else torch.zeros_like(state.grads)
+    scaler = scaler_update(state.scaler, found_inf, cfg)
+    micro = agreed[-1].clamp(min=1.0)
+    metrics = Metrics(loss=agreed[-2] / micro, grad_norm=grad_norm, loss_scale=state.scaler.scale,
+                      skipped=found_inf, lr=lr)
+    zero = torch.zeros((), dtype=torch.int64, device=state.device)
+    return state.replace(params=params, compute=compute, grads=grads,
+                         opt=AdamState(mu=mu, nu=nu, count=count), scaler=scaler,
+                         step=state.step + 1, micro_step=zero, loss_sum=torch.zeros_like(state.loss_sum),
+                         metrics=metrics)
