@@ -7,7 +7,6 @@ embedding). `run_ranks` runs a module-level function on a persistent local gloo 
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -136,5 +135,16 @@ def max_param_diff(state: zfunc.TrainState, model: nn.Module) -> float:
     return max((full[n] - ref[n].detach()).abs().max().item() for n in full)
 
 
-def clone_module(m: nn.Module) -> nn.Module:
-    return copy.deepcopy(m)
+def snapshot(tree: Any) -> list[torch.Tensor]:
+    """Copies of every tensor leaf of a zfunc pytree."""
+    return [t.clone() for t in zfunc.tree.leaves(tree)]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
+def bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    """Equal dtypes and bytes (so NaN equals NaN, and -0.0 differs from 0.0)."""
+    return len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(_bytes(x), _bytes(y))
+                                    for x, y in zip(a, b))

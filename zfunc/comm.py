@@ -46,6 +46,21 @@ class Group:
     size: int
     pg: Any = None
 
+    @classmethod
+    def of_ranks(cls, ranks: list[int]) -> Group:
+        """A new process group over ``ranks`` of the default world (call on every rank).
+
+        On a rank outside ``ranks`` the result has ``rank == -1`` and must not be used.
+        """
+        ranks = sorted(ranks)
+        if not (dist.is_available() and dist.is_initialized()):
+            if ranks != [0]:
+                raise ValueError(f"ranks {ranks}: no process group is initialised, only [0] exists")
+            return cls(rank=0, size=1, pg=None)
+        pg = dist.new_group(ranks)
+        me = dist.get_rank()
+        return cls(rank=ranks.index(me) if me in ranks else -1, size=len(ranks), pg=pg)
+
     @property
     def process_group(self) -> Any:
         """The ``torch.distributed`` group to pass to collectives (None: the default group)."""

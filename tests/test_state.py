@@ -1,0 +1,136 @@
+"""The state as a value: purity, donation, memory, counters, collectives per micro-step."""
+
+from __future__ import annotations
+
+import torch
+
+import zfunc
+from tests.helpers import MODELS, bitwise_equal as _bitwise_equal, run_ranks, snapshot as _snapshot, zoo_batch, zoo_loss
+
+
+def _purity(rank: int, stage: int) -> tuple[bool, bool, bool]:
+    make, loss_fn, batch_fn = MODELS["zoo"]
+    torch.manual_seed(0)
+    state = zfunc.init(make(), zfunc.Config(stage=stage, grad_accum=2, clip=1.0))
+    b = batch_fn(0, rank, 4)
+    # Without donation: every step leaves its input bitwise unchanged.
+    before = _snapshot(state)
+    s1, _ = zfunc.backward_step(state, loss_fn, b)
+    unchanged_bwd = _bitwise_equal(before, _snapshot(state))
+    mid = _snapshot(s1)
+    s2 = zfunc.apply_step(s1)
+    unchanged_apply = _bitwise_equal(mid, _snapshot(s1))
+    # With donation: the same result, computed in the input's buffers.
+    d1, _ = zfunc.backward_step(state, loss_fn, b, donate=False)
+    d2 = zfunc.apply_step(d1, donate=True)
+    same = _bitwise_equal(_snapshot(s2), _snapshot(d2))
+    reused = d2.opt.mu.data_ptr() == d1.opt.mu.data_ptr() and d2.params.data_ptr() == d1.params.data_ptr()
+    return unchanged_bwd and unchanged_apply, same, reused
+
+
+def test_pure_without_donation_identical_with_it():
+    for world in (1, 2):
+        for stage in (0, 1, 2, 3):
+            for rank, (pure, same, reused) in enumerate(run_ranks(_purity, world, stage)):
+                assert pure, f"stage {stage} world {world} rank {rank}: input state changed"
+                assert same, f"stage {stage} world {world} rank {rank}: donated result differs"
+                assert reused, f"stage {stage} world {world} rank {rank}: donation copied the optimizer state"
+
+
+def _memory(rank: int, stage: int) -> tuple[dict, int, int]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(30, 31), torch.nn.Linear(31, 5))  # 1121 params
+    state = zfunc.init(model, zfunc.Config(stage=stage))
+    return zfunc.memory_report(state), state.layout.numel, state.layout.full_numel
+
+
+def test_memory_report_follows_the_zero_formula():
+    for world in (1, 2, 3):
+        for stage in (0, 1, 2, 3):
+            for rep, numel, padded in run_ranks(_memory, world, stage):
+                assert numel == 1121
+                assert padded % (world * 4) == 0 and padded - numel < world * 4
+                shard = padded // world
+                # fp32: 4 bytes per element; params always full at stages 0-2 (master aliases it).
+                params = 4 * (shard if stage == 3 else padded)
+                grads = 4 * (padded if stage < 2 else shard)
+                moments = 8 * (padded if stage == 0 else shard)
+                assert rep == {"params": params, "grads": grads, "optimizer": moments,
+                               "total": params + grads + moments}, (world, stage, rep)
+
+
+class _Counting:
+    """Stands in for torch.distributed inside zfunc.comm and counts collective calls."""
+
+    def __init__(self, real):
+        self.real, self.calls = real, []
+
+    def __getattr__(self, name):
+        attr = getattr(self.real, name)
+        if name in ("all_reduce", "broadcast", "all_gather_object"):
+            def counted(*a, **k):
+                self.calls.append(name)
+                return attr(*a, **k)
+            return counted
+        return attr
+
+
+def _collectives(rank: int, stage: int) -> tuple[list, list, list]:
+    from zfunc import comm
+
+    torch.manual_seed(0)
+    state = zfunc.init(MODELS["zoo"][0](), zfunc.Config(stage=stage, grad_accum=2))
+    counter = _Counting(comm.dist)
+    flat = {"rs": comm._reduce_scatter_flat, "ag": comm._all_gather_flat}
+    comm.dist = counter
+    comm._reduce_scatter_flat = lambda *a, **k: (counter.calls.append("reduce_scatter"), flat["rs"](*a, **k))[1]
+    comm._all_gather_flat = lambda *a, **k: (counter.calls.append("all_gather"), flat["ag"](*a, **k))[1]
+    try:
+        state, _ = zfunc.backward_step(state, zoo_loss, zoo_batch(0, rank, 2))
+        first = list(counter.calls)
+        counter.calls.clear()
+        state, _ = zfunc.backward_step(state, zoo_loss, zoo_batch(1, rank, 2))
+        second = list(counter.calls)
+        counter.calls.clear()
+        zfunc.apply_step(state)
+        boundary = list(counter.calls)
+    finally:
+        comm.dist = counter.real
+        comm._reduce_scatter_flat, comm._all_gather_flat = flat["rs"], flat["ag"]
+    return first, second, boundary
+
+
+def test_collectives_per_micro_step():
+    expected = {  # (each micro-step, the step boundary)
+        0: ([], ["all_reduce", "all_reduce"]),  # grads; then loss and counts
+        1: ([], ["reduce_scatter", "all_reduce", "all_gather"]),
+        2: (["reduce_scatter"], ["all_reduce", "all_gather"]),
+        3: (["all_gather", "reduce_scatter"], ["all_reduce"]),
+    }
+    for stage, (micro, boundary) in expected.items():
+        for first, second, at_step in run_ranks(_collectives, 2, stage):
+            assert first == micro and second == micro, (stage, first, second)
+            assert at_step == boundary, (stage, at_step)
+
+
+def test_counters_and_metrics():
+    torch.manual_seed(0)
+    state = zfunc.init(torch.nn.Linear(3, 1), zfunc.Config(grad_accum=2, optimizer=zfunc.adamw(lr=0.5)))
+    step = zfunc.train_step(lambda m, b: m(b).pow(2).mean())
+    state = step(state, torch.ones(4, 3))
+    assert state.step.item() == 1 and state.micro_step.item() == 0 and state.opt.count.item() == 1
+    assert state.metrics.lr.item() == 0.5 and state.metrics.skipped.item() == 0
+    assert state.grads.abs().sum().item() == 0
+    for leaf in zfunc.tree.leaves(state.metrics):
+        assert leaf.dim() == 0
+
+
+def test_state_is_a_pytree_in_the_zfunc_namespace():
+    state = zfunc.init(torch.nn.Linear(3, 2), zfunc.Config(stage=1))
+    leaves, spec = zfunc.tree.flatten(state)
+    assert all(isinstance(x, torch.Tensor) for x in leaves)
+    again = zfunc.tree.unflatten(spec, [x.clone() for x in leaves])
+    assert isinstance(again, zfunc.TrainState) and again.layout is state.layout
+    doubled = zfunc.tree.map(lambda t: t * 2 if t.is_floating_point() else t, state)
+    assert torch.equal(doubled.params, state.params * 2)
+    assert state.replace(step=state.step + 5).step.item() == 5 and state.step.item() == 0
