@@ -195,7 +195,13 @@ def broadcast(x: torch.Tensor, src: int = 0, group: Group | None = None) -> torc
 
 
 def all_gather_object(obj: Any, group: Group | None = None) -> list[Any]:
-    """Every rank's picklable ``obj``, in rank order (for checks at init, never per step)."""
+    """Every rank's picklable ``obj``, in rank order (for checks at init, never per step).
+
+    Examples:
+        >>> import zfunc
+        >>> zfunc.comm.all_gather_object({"rank": 0})
+        [{'rank': 0}]
+    """
     group = group or world()
     if group.size == 1:
         return [obj]
@@ -239,5 +245,14 @@ def bind_unit(sink: torch.Tensor, shard: torch.Tensor | None, full: torch.Tensor
     ``full=None`` all-gathers ``shard`` in forward (ZeRO-3). With ``scatter`` the backward is a
     sum reduce-scatter (the transpose of all-gather), so ``sink`` receives this rank's shard of
     the gradient summed over ranks; without it ``sink`` receives the full local gradient.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> g = zfunc.comm.world()
+        >>> sink = torch.zeros(()).expand(4).requires_grad_()
+        >>> full = zfunc.comm.bind_unit(sink, None, torch.arange(4.0), g, torch.float32, True)
+        >>> (full * full).sum().backward()
+        >>> sink.grad.tolist()
+        [0.0, 2.0, 4.0, 6.0]
     """
     return _Bind.apply(sink, shard, full, group, reduce_dtype, scatter)

@@ -52,6 +52,11 @@ class AdamConfig:
 
     ``decoupled=True`` is AdamW (``p -= lr * wd * p``); ``False`` is Adam with L2 regularisation
     folded into the gradient (``g += wd * p``), as `torch.optim.Adam` does.
+
+    Examples:
+        >>> import zfunc
+        >>> zfunc.AdamConfig(lr=0.1, betas=[0.8, 0.9]).betas
+        (0.8, 0.9)
     """
 
     lr: float = 1e-3

@@ -35,6 +35,12 @@ class ScalerState:
         last_overflow: ``t`` at the last overflow (``-1`` before any).
         hysteresis: overflows still absorbed before the scale halves (``h``).
         skipped: steps skipped because of an overflow, in total.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> s = zfunc.init(torch.nn.Linear(2, 1), zfunc.Config()).scaler
+        >>> s.scale.item(), s.skipped.item()
+        (1.0, 0)
     """
 
     scale: torch.Tensor

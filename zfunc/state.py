@@ -22,7 +22,14 @@ __all__ = ["TrainState", "AdamState", "Metrics", "init", "full_params", "memory_
 
 @dataclass(frozen=True)
 class AdamState:
-    """Adam moments over this rank's arena, and the number of updates applied."""
+    """Adam moments over this rank's arena, and the number of updates applied.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> opt = zfunc.init(torch.nn.Linear(3, 1), zfunc.Config(stage=0)).opt
+        >>> opt.mu.shape, opt.nu.dtype, opt.count.item()
+        (torch.Size([4]), torch.float32, 0)
+    """
 
     mu: torch.Tensor
     nu: torch.Tensor
@@ -31,7 +38,14 @@ class AdamState:
 
 @dataclass(frozen=True)
 class Metrics:
-    """Device scalars of the last optimizer step (read them to log; reading syncs)."""
+    """Device scalars of the last optimizer step (read them to log; reading syncs).
+
+    Examples:
+        >>> import torch, zfunc
+        >>> m = zfunc.init(torch.nn.Linear(3, 1), zfunc.Config()).metrics
+        >>> m.grad_norm.item(), m.loss_scale.item(), m.skipped.item()
+        (0.0, 1.0, 0.0)
+    """
 
     loss: torch.Tensor
     grad_norm: torch.Tensor
@@ -56,6 +70,15 @@ class TrainState:
         loss_sum: sum of this rank's micro-batch losses since the last step.
         metrics: `Metrics` of the last step.
         frozen: parameters that do not train and buffers, replicated, by name.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> state = zfunc.init(torch.nn.Linear(3, 2), zfunc.Config(stage=2))
+        >>> state.stage, state.params.shape, state.compute.shape, state.grads.shape
+        (2, torch.Size([8]), torch.Size([8]), torch.Size([8]))
+        >>> later = state.replace(step=state.step + 1)
+        >>> later.step.item(), state.step.item()
+        (1, 0)
     """
 
     params: torch.Tensor

@@ -79,9 +79,9 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
         ...     state, loss = zfunc.backward_step(state, loss_fn, torch.ones(1, 2))
         ...     state = zfunc.apply_step(state)
         ...     print(round(state.metrics.loss.item(), 4))
-        0.0284
-        -0.2714
-        -0.5712
+        -0.208
+        -0.5077
+        -0.8072
     """
     cfg, lay, group = state.cfg, state.layout, state.group
     grad = _reduce(state, donate)
