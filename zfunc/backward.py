@@ -50,6 +50,10 @@ def _scale_tree(x: Any, factor: torch.Tensor) -> Any:
     return tree.map(scale, x)
 
 
+def _cast_floats(x: Any, dtype: torch.dtype) -> Any:
+    return tree.map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, x)
+
+
 def cotangent_factor(state: TrainState) -> torch.Tensor:
     """``loss_scale / (grad_accum * world)``: what a model-output cotangent is multiplied by."""
     return state.scaler.scale / (state.cfg.grad_accum * state.group.size)
@@ -79,6 +83,10 @@ def bind(state: TrainState, sinks: Sequence[torch.Tensor]) -> Callable[..., Any]
             else:
                 full = comm.bind_unit(sink, None, state.compute, group, cfg.reduce_dtype, state.stage == 2)
             tensors.update(lay.views(unit, full))
+        if cfg.autocast is None and cfg.compute_dtype != torch.float32:
+            # Like FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True): a low-precision model
+            # takes its floating-point inputs in its own dtype.
+            args, kwargs = _cast_floats((args, kwargs), cfg.compute_dtype)
         args, kwargs = _scale_tree((args, kwargs), 1 / factor)
         ctx = (torch.autocast(state.device.type, dtype=cfg.autocast) if cfg.autocast
                else contextlib.nullcontext())

@@ -201,7 +201,7 @@ class Config:
         _check(self.lr_schedule is None or callable(self.lr_schedule), "lr_schedule",
                "None or a callable step -> lr", self.lr_schedule)
         _check(_positive_int(self.align), "align", "a positive integer", self.align)
-        if self.precision == "bf16" and self.loss_scale is not None:
+        if (self.precision == "bf16" or self.autocast == torch.bfloat16) and self.loss_scale is not None:
             raise ConfigError("loss_scale: bf16 needs no loss scaling (its range is fp32's); "
                               "set loss_scale=None, or use precision='fp16'")
 

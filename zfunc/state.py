@@ -172,10 +172,11 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None) -
     device = next(iter(trainable.values())).device
     units, unit_names = _units(model, cfg, trainable)
     layout = make_layout(units, world=group.size, rank=group.rank, align=cfg.align, names=unit_names)
-    frozen = {n: comm.broadcast(p.detach(), 0, group) for n, p in named.items() if not p.requires_grad}
+    cdt, mdt = cfg.compute_dtype, cfg.master_dtype
+    frozen = {n: comm.broadcast(p.detach(), 0, group).to(cdt if p.is_floating_point() else p.dtype)
+              for n, p in named.items() if not p.requires_grad}
     frozen.update({n: b.detach().clone() for n, b in model.named_buffers()})
 
-    cdt, mdt = cfg.compute_dtype, cfg.master_dtype
     full_master = [comm.broadcast(layout.flatten_unit(u, trainable, mdt, device), 0, group)
                    for u in layout.units]
     if cfg.stage == 0:

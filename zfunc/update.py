@@ -118,8 +118,8 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
         compute_out = None
     elif state.stage in (0, 3):
         compute_out = compute
-    else:
-        compute_out = torch.empty(lay.arena_numel, dtype=compute.dtype, device=compute.device)
+    else:  # this rank's slice of the full compute buffer, gathered below
+        compute_out = _master_view(compute, lay, state.stage)
     opt = cfg.optimizer
     zfunc_kernels.fused_adam(master, grad, mu, nu, step=count, lr=lr, inv_scale=inv_scale,
                              clip_coef=clip_coef, found_inf=found_inf, beta1=opt.betas[0],
@@ -128,8 +128,7 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
 
     # Gather the updated compute parameters where forward reads them in full.
     if state.stage in (1, 2):
-        shard = master.clone() if aliased else compute_out
-        comm.all_gather_into(compute, shard, group)
+        comm.all_gather_into(compute, _master_view(compute, lay, state.stage).clone(), group)
     params = master if not aliased or state.stage == 3 else _master_view(compute, lay, state.stage)
 
     grads = state.grads.zero_() if donate else torch.zeros_like(state.grads)

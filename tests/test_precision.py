@@ -1,0 +1,153 @@
+"""Mixed precision: overflow skips on every rank, autocast parity with GradScaler, low-precision
+masters and moments, and an fp32 accumulator that keeps tiny gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zfunc
+from tests.helpers import MODELS, bitwise_equal, run_ranks, snapshot, split
+
+
+def _inject(rank: int, stage: int, precision: str, bad: float) -> dict:
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    make, loss_fn, batch_fn = MODELS["zoo"]
+    torch.manual_seed(0)
+    ls = zfunc.DynamicLossScale(init=2.0**8, hysteresis=1) if precision == "fp16" else None
+    state = zfunc.init(make(), zfunc.Config(stage=stage, precision=precision, loss_scale=ls, clip=1.0))
+    state, _ = zfunc.backward_step(state, loss_fn, batch_fn(0, rank, 4))
+    state = zfunc.apply_step(state)  # moments are non-zero from here on
+    state, _ = zfunc.backward_step(state, loss_fn, batch_fn(1, rank, 4))
+    if rank == world - 1:  # only the last rank's gradient shard overflows
+        grads = state.grads.clone()
+        grads[grads.numel() // 2] = bad
+        state = state.replace(grads=grads)
+    kept = snapshot((state.params, state.compute, state.opt))
+    after = zfunc.apply_step(state)
+    return {"unchanged": bitwise_equal(kept, snapshot((after.params, after.compute, after.opt))),
+            "skipped": after.metrics.skipped.item(), "count": after.opt.count.item(),
+            "step": after.step.item(), "scale": after.scaler.scale.item(),
+            "skips": after.scaler.skipped.item(), "grads_zero": after.grads.abs().sum().item() == 0}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("precision,bad", [("fp16", float("inf")), ("fp16", float("nan")), ("bf16", float("-inf"))])
+def test_overflow_on_one_rank_skips_everywhere(world, stage, precision, bad):
+    for rank, r in enumerate(run_ranks(_inject, world, stage, precision, bad)):
+        assert r["unchanged"], f"rank {rank}: params, compute copy or moments changed on a skipped step"
+        assert r["skipped"] == 1 and r["skips"] == 1 and r["count"] == 1 and r["step"] == 2, r
+        assert r["grads_zero"], r
+        assert r["scale"] == (128.0 if precision == "fp16" else 1.0), r  # bf16: exactly 1
+
+
+def _autocast(rank: int, stage: int, dtype: torch.dtype) -> tuple[list[float], list[float]]:
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    make, loss_fn, batch_fn = MODELS["gpt"]
+    fp16 = dtype == torch.float16
+    cfg = zfunc.Config(stage=stage, autocast=dtype, grad_accum=2, optimizer=zfunc.adamw(lr=1e-2),
+                       loss_scale=zfunc.DynamicLossScale(init=2.0**16, window=2000) if fp16 else None)
+    torch.manual_seed(0)
+    state = zfunc.init(make(), cfg)
+    step = zfunc.train_step(loss_fn)
+    torch.manual_seed(0)
+    ref = make()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2000, enabled=fp16)
+    ours, theirs = [], []
+    for i in range(5):
+        state = step(state, batch_fn(i, rank, 4))
+        ours.append(state.metrics.loss.item())
+        opt.zero_grad()
+        total = 0.0
+        for r in range(world):
+            for mb in split(batch_fn(i, r, 4), 2):
+                with torch.autocast("cpu", dtype=dtype):
+                    loss = loss_fn(ref, mb) / (2 * world)
+                scaler.scale(loss).backward()
+                total += loss.item()
+        scaler.step(opt)
+        scaler.update()
+        theirs.append(total)
+    return ours, theirs
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_autocast_matches_gradscaler_adamw(stage, dtype):
+    for ours, theirs in run_ranks(_autocast, 2, stage, dtype):
+        assert ours == pytest.approx(theirs, rel=1e-2), (ours, theirs)
+
+
+def _low_precision(rank: int, master: torch.dtype, moments: torch.dtype, precision: str) -> dict:
+    make, loss_fn, batch_fn = MODELS["gpt"]
+    torch.manual_seed(0)
+    ls = zfunc.DynamicLossScale(init=2.0**10) if precision == "fp16" else None
+    cfg = zfunc.Config(stage=2, precision=precision, master_dtype=master, moment_dtype=moments,
+                       grad_accum_dtype=master, loss_scale=ls, optimizer=zfunc.adamw(lr=3e-2))
+    state = zfunc.init(make(), cfg)
+    step = zfunc.train_step(loss_fn)
+    losses = []
+    for i in range(30):
+        state = step(state, batch_fn(0, rank, 8))  # one fixed batch: the loss must fall
+        losses.append(state.metrics.loss.item())
+    fp32 = zfunc.memory_report(zfunc.init(make(), zfunc.Config(stage=2)))
+    return {"first": losses[0], "last": losses[-1], "dtypes": (state.params.dtype, state.grads.dtype,
+            state.opt.mu.dtype, state.opt.nu.dtype, state.compute.dtype),
+            "mem": zfunc.memory_report(state), "fp32": fp32}
+
+
+@pytest.mark.parametrize("master,moments,precision", [
+    (torch.bfloat16, torch.bfloat16, "bf16"),
+    (torch.bfloat16, torch.float32, "bf16"),
+    (torch.float16, torch.float32, "fp16"),
+])
+def test_low_precision_masters_and_moments_train(master, moments, precision):
+    for r in run_ranks(_low_precision, 2, master, moments, precision):
+        assert r["last"] < 0.8 * r["first"], r
+        compute = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        assert r["dtypes"] == (master, master, moments, moments, compute), r["dtypes"]
+        assert r["mem"]["grads"] * 2 == r["fp32"]["grads"]
+        assert r["mem"]["optimizer"] < r["fp32"]["optimizer"] or moments == torch.float32
+        assert r["mem"]["total"] < r["fp32"]["total"]
+
+
+def test_fp32_accumulator_keeps_64_tiny_micro_gradients():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 16)
+    g = torch.Generator().manual_seed(1)
+    micro = [{"weight": torch.randn(16, 64, generator=g) * 10.0 ** float(torch.randint(-8, -2, (1,), generator=g)),
+              "bias": torch.randn(16, generator=g) * 1e-6} for _ in range(64)]
+    exact = {k: sum(m[k].double() for m in micro) / 64 for k in ("weight", "bias")}
+    errors = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        state = zfunc.init(model, zfunc.Config(stage=0, precision="bf16", grad_accum=64, grad_accum_dtype=dtype))
+        for m in micro:
+            state = zfunc.accumulate(state, m, donate=True)
+        views = state.layout.views(state.layout.units[0], state.grads)
+        errors[dtype] = max(((views[k].double() - exact[k]).abs().max() / exact[k].abs().max()).item()
+                            for k in exact)
+    assert errors[torch.float32] < 1e-6, errors
+    assert errors[torch.bfloat16] > 100 * errors[torch.float32], errors  # bf16 accumulation is lossy
+
+
+def test_precision_errors():
+    with pytest.raises(zfunc.ConfigError, match="bf16 needs no loss scaling"):
+        zfunc.Config(precision="bf16", loss_scale=zfunc.DynamicLossScale())
+    with pytest.raises(zfunc.ConfigError, match="bf16 needs no loss scaling"):
+        zfunc.Config(autocast=torch.bfloat16, loss_scale=1024.0)
+    for bad in (float("inf"), float("nan"), -1.0, 0.0, True):
+        with pytest.raises(zfunc.ConfigError, match="loss_scale"):
+            zfunc.Config(precision="fp16", loss_scale=bad)
+    for field in ("window", "hysteresis"):
+        for bad in (0, -1, 1.5, True, None, "3"):
+            with pytest.raises(zfunc.ConfigError, match=f"loss_scale.{field}: expected a positive integer"):
+                zfunc.DynamicLossScale(**{field: bad})
+    for bad in (0, -1.0, float("inf"), True):
+        with pytest.raises(zfunc.ConfigError, match="loss_scale.min_scale"):
+            zfunc.DynamicLossScale(min_scale=bad)
