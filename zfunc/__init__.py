@@ -18,6 +18,8 @@ from zfunc.config import ConfigError as ConfigError
 from zfunc.config import DynamicLossScale as DynamicLossScale
 from zfunc.config import adam as adam
 from zfunc.config import adamw as adamw
+from zfunc.engine import Engine as Engine
+from zfunc.engine import initialize as initialize
 from zfunc.launch import World as World
 from zfunc.launch import launch as launch
 from zfunc.scaler import ScalerState as ScalerState
@@ -39,6 +41,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DynamicLossScale",
+    "Engine",
     "Metrics",
     "ScalerState",
     "TrainState",
@@ -51,6 +54,7 @@ __all__ = [
     "comm",
     "full_params",
     "init",
+    "initialize",
     "launch",
     "learning_rate",
     "memory_report",

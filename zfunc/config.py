@@ -220,6 +220,19 @@ class Config:
         """The clipping threshold, 0.0 when clipping is off."""
         return float(self.clip or 0.0)
 
+    @classmethod
+    def from_deepspeed(cls, ds: Any, world_size: int = 1) -> Config:
+        """A `Config` from a DeepSpeed config dict or JSON path (see `zfunc.deepspeed_config`).
+
+        Examples:
+            >>> import zfunc
+            >>> zfunc.Config.from_deepspeed({"train_batch_size": 8, "zero_optimization": {"stage": 1}}).stage
+            1
+        """
+        from zfunc.deepspeed_config import from_deepspeed
+
+        return from_deepspeed(ds, world_size)
+
     def replace(self, **changes: Any) -> Config:
         """A copy with ``changes`` applied (and checked)."""
         return dataclasses.replace(self, **changes)

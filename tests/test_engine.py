@@ -1,0 +1,247 @@
+"""The imperative shim against a single-process reference (mean of per-rank grads, torch AdamW)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import zfunc
+
+from tests.helpers import run_ranks
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 7), nn.Tanh(), nn.Linear(7, 3))
+
+
+def _data(i: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(97 * i + rank)
+    return torch.randn(2, 4, generator=g), torch.randint(0, 3, (2,), generator=g)
+
+
+def _ds(stage: int, gas: int = 1, world: int = 2, **extra) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": 0.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
+            "zero_optimization": {"stage": stage}, **extra}
+
+
+def _reference(steps: int, gas: int, world: int, *, scale: float = 1.0):
+    """Params after each boundary of torch AdamW on the mean loss over ranks and micro-batches."""
+    ref = _model()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    out = []
+    for s in range(steps):
+        opt.zero_grad()
+        for m in range(gas):
+            for r in range(world):
+                x, y = _data(s * gas + m, r)
+                (nn.functional.cross_entropy(ref(x), y) * scale / (gas * world)).backward()
+        opt.step()
+        out.append({n: p.detach().clone() for n, p in ref.named_parameters()})
+    return out
+
+
+def _diff(engine, ref_params) -> float:
+    full = zfunc.full_params(engine.state)
+    return max((full[n] - p).abs().max().item() for n, p in ref_params.items())
+
+
+def _backward_styles(rank: int, stage: int, style: str, gas: int) -> tuple[list, list]:
+    world = zfunc.comm.world().size
+    engine, *_ = zfunc.initialize(model=_model(), config=_ds(stage, gas))
+    refs = _reference(2, gas, world)
+    diffs, applied = [], []
+    for i in range(2 * gas):
+        x, y = _data(i, rank)
+        out = engine(x)
+        if style == "engine":
+            engine.backward(nn.functional.cross_entropy(out, y))
+        elif style == "tensor":
+            nn.functional.cross_entropy(out, y).backward()
+        else:  # non-scalar: the gradient of the loss with respect to the output, passed by hand
+            out_leaf = out.detach().requires_grad_()
+            nn.functional.cross_entropy(out_leaf, y).backward()
+            out.backward(out_leaf.grad)
+        before = zfunc.full_params(engine.state)
+        engine.step()
+        applied.append(engine.was_step_applied())
+        if (i + 1) % gas == 0:
+            diffs.append(_diff(engine, refs[i // gas]))
+        else:  # params move only at boundaries
+            after = zfunc.full_params(engine.state)
+            diffs.append(max((after[n] - before[n]).abs().max().item() for n in after))
+    return diffs, applied
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("style", ["engine", "tensor", "nonscalar"])
+@pytest.mark.parametrize("gas", [1, 4])
+def test_every_backward_style_matches_the_reference(stage, style, gas):
+    for diffs, applied in run_ranks(_backward_styles, 2, stage, style, gas):
+        assert max(diffs) < 2e-6, diffs
+        assert applied == ([True, True] if gas == 1 else [False, False, False, True] * 2)
+
+
+def _unscaled(rank: int, stage: int) -> float:
+    engine, *_ = zfunc.initialize(model=_model(), config=_ds(stage, gas=2))
+    for i in range(2):
+        x, y = _data(i, rank)
+        engine.backward(nn.functional.cross_entropy(engine(x), y), scale_wrt_gas=False)
+        engine.step()
+    return _diff(engine, _reference(1, 2, 2, scale=2.0)[0])
+
+
+def test_scale_wrt_gas_false_is_the_unscaled_sum():
+    for stage in (0, 2):
+        assert max(run_ranks(_unscaled, 2, stage)) < 2e-6
+
+
+def _three_engines(rank: int, stage: int) -> float:
+    engines = [zfunc.initialize(model=_model(), config=_ds(stage))[0] for _ in range(3)]
+    refs = [_model() for _ in range(3)]
+    opts = [torch.optim.AdamW(r.parameters(), lr=1e-2, weight_decay=0.0) for r in refs]
+    for it in range(2):
+        x, y = _data(it, rank)
+        loss = sum(nn.functional.cross_entropy(e(x), y) / (i + 1) for i, e in enumerate(engines))
+        loss.backward()
+        for e in engines:
+            e.step()
+        for o in opts:
+            o.zero_grad()
+        for r in range(2):
+            xr, yr = _data(it, r)
+            (sum(nn.functional.cross_entropy(m(xr), yr) / (i + 1) for i, m in enumerate(refs)) / 2).backward()
+        for o in opts:
+            o.step()
+    return max(_diff(e, dict(m.named_parameters())) for e, m in zip(engines, refs))
+
+
+def test_one_loss_over_three_engines():
+    for stage in (1, 2, 3):
+        assert max(run_ranks(_three_engines, 2, stage)) < 2e-6
+
+
+def _manual(rank: int, stage: int) -> float:
+    counts = [2, 5, 3]
+    manual, *_ = zfunc.initialize(model=_model(), config=_ds(stage))
+    ref = _model()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    i = 0
+    for n in counts:
+        manual.set_gradient_accumulation_boundary(False)
+        opt.zero_grad()
+        for k in range(n):
+            if k == n - 1:
+                manual.set_gradient_accumulation_boundary(True)
+            x, y = _data(i + k, rank)
+            manual.backward(nn.functional.cross_entropy(manual(x), y) / n, scale_wrt_gas=False)
+            for r in range(2):
+                xr, yr = _data(i + k, r)
+                (nn.functional.cross_entropy(ref(xr), yr) / (n * 2)).backward()
+        manual.step()
+        opt.step()
+        i += n
+    return _diff(manual, dict(ref.named_parameters()))
+
+
+def test_n_backwards_between_steps_all_accumulate():
+    for stage in (0, 1, 2):
+        assert max(run_ranks(_manual, 2, stage)) < 2e-6
+
+
+def _fp16_nonscalar(rank: int, stage: int) -> tuple[float, float]:
+    cfg = _ds(stage, fp16={"enabled": True, "initial_scale_power": 8})
+    engine, *_ = zfunc.initialize(model=_model(), config=cfg)
+    x, y = _data(0, rank)
+    out = engine(x)
+    out.backward(torch.ones_like(out) / out.numel())  # under dynamic scaling: scaled in the graph
+    engine.step()
+    ref = _model()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    for r in range(2):
+        (ref(_data(0, r)[0].half().float()).mean() / 2).backward()
+    opt.step()
+    return _diff(engine, dict(ref.named_parameters())), engine.loss_scale
+
+
+def test_nonscalar_backward_under_fp16_dynamic_scaling():
+    for diff, scale in run_ranks(_fp16_nonscalar, 2, 2):
+        assert scale == 256.0 and diff < 5e-3, (diff, scale)
+
+
+def test_engine_state_round_trips_through_functional_code():
+    engine, *_ = zfunc.initialize(model=_model(), config=_ds(2, world=1))
+    state = engine.state
+    state, _ = zfunc.backward_step(state, lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]), _data(0, 0))
+    engine.state = zfunc.apply_step(state)
+    assert engine.global_steps == 1
+    w = dict(engine.module.named_parameters())["0.weight"]
+    assert torch.equal(w, zfunc.full_params(engine.state)["0.weight"])  # the module shows current weights
+
+
+@pytest.mark.parametrize("tbs,mbs,gas,ok", [(32, 16, 1, True), (32, 8, 2, True), (33, 17, 2, False),
+                                            (32, 18, 1, False)])
+def test_deepspeed_batch_table_at_world_two(tbs, mbs, gas, ok):
+    ds = {"train_batch_size": tbs, "train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": gas}
+    if ok:
+        assert zfunc.Config.from_deepspeed(ds, world_size=2).grad_accum == gas
+    else:
+        with pytest.raises(zfunc.ConfigError, match="make the three batch keys consistent"):
+            zfunc.Config.from_deepspeed(ds, world_size=2)
+
+
+@pytest.mark.parametrize("ds,match", [
+    ({}, "set at least one of them"),
+    ({"train_batch_size": 0}, r"train_batch_size: expected a positive integer"),
+    ({"train_batch_size": 8, "gradient_clipping": -1}, r"gradient_clipping: expected a finite number >= 0"),
+    ({"train_batch_size": 8, "zero_optimization": {"stage": 4}}, r"zero_optimization.stage: expected one of"),
+    ({"train_batch_size": 8, "optimizer": {"type": "Lamb"}}, r'optimizer.type: expected "Adam" or "AdamW"'),
+    ({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}}, "max_grad_norm"),
+    ({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": -1}}}, r"optimizer.params.optimizer.lr"),
+    ({"train_batch_size": 8, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, "enable one of them"),
+    ({"train_batch_size": 8, "fp16": {"enabled": True, "loss_scale": -1}}, r"fp16.loss_scale: expected a finite"),
+    ({"train_batch_size": 8, "fp16": {"enabled": True, "loss_scale": True}}, r"fp16.loss_scale"),
+    ({"train_batch_size": 8, "fp16": {"enabled": True, "loss_scale_window": 0}}, r"fp16.loss_scale_window"),
+    ({"train_batch_size": 8, "fp16": {"enabled": True, "min_loss_scale": float("nan")}}, r"fp16.min_loss_scale"),
+    ({"train_batch_size": 8, "bf16": {"enabled": True, "bf16_optimizer_states": True}}, "bf16_master_weights"),
+    ({"train_batch_size": 8, "torch_autocast": {"enabled": True, "dtype": "fp8"}}, r"torch_autocast.dtype"),
+    ({"train_batch_size": 8, "scheduler": {"type": "OneCycle"}}, r"scheduler.type: expected one of"),
+    ({"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}},
+     r"scheduler.params.warmup_num_steps"),
+])
+def test_deepspeed_config_errors_name_the_key(ds, match):
+    with pytest.raises(zfunc.ConfigError, match=match):
+        zfunc.Config.from_deepspeed(ds, world_size=2)
+
+
+def test_deepspeed_precision_and_optimizer_mapping():
+    cfg = zfunc.Config.from_deepspeed({"train_batch_size": 4, "optimizer": {"type": "Adam", "params": {
+        "lr": 3e-4, "adam_w_mode": False}}, "bf16": {"enabled": True, "bf16_master_weights_and_grads": True,
+        "bf16_optimizer_states": True}, "torch_autocast": {"enabled": True, "dtype": "bfloat16"}})
+    assert (cfg.precision, cfg.master_dtype, cfg.moment_dtype, cfg.autocast) == (
+        "bf16", torch.bfloat16, torch.bfloat16, torch.bfloat16)
+    assert cfg.optimizer.decoupled is False and cfg.clip == 1.0  # "Adam" + adam_w_mode false; clip default 1.0
+    fp16 = zfunc.Config.from_deepspeed({"train_batch_size": 4, "fp16": {
+        "enabled": True, "initial_scale_power": 8, "hysteresis": 3, "loss_scale_window": 10}})
+    assert fp16.loss_scale == zfunc.DynamicLossScale(init=256.0, window=10, hysteresis=3)
+    assert zfunc.Config.from_deepspeed({"train_batch_size": 4, "fp16": {"enabled": True, "loss_scale": "3"}}
+                                       ).loss_scale == 3.0
+
+
+def test_unknown_keys_give_one_warning():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zfunc.Config.from_deepspeed({"train_batch_size": 4, "activation_checkpointing": {}, "flops_profiler": {},
+                                     "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}})
+    assert len(caught) == 1
+    assert "activation_checkpointing, flops_profiler, zero_optimization.offload_optimizer" in str(caught[0].message)
+
+
+def test_deepspeed_schedule_lags_one_update():
+    cfg = zfunc.Config.from_deepspeed({"train_batch_size": 4, "optimizer": {"params": {"lr": 1.0}}, "scheduler": {
+        "type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_num_steps": 4, "warmup_type": "linear"}}})
+    assert [round(cfg.lr_schedule(u).item(), 3) for u in range(6)] == [0.0, 0.0, 0.25, 0.5, 0.75, 1.0]

@@ -1,0 +1,252 @@
+"""DeepSpeed's JSON config turned into a `zfunc.Config` (``Config.from_deepspeed``).
+
+The batch keys follow DeepSpeed's fill-in rules and its consistency check; ``optimizer``,
+``scheduler``, ``fp16``, ``bf16``, ``torch_autocast``, ``data_types`` and ``zero_optimization``
+map to zfunc's fields. Keys zfunc does not implement produce one warning listing them; malformed
+values raise `ConfigError` naming the key path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from zfunc import schedules
+from zfunc.config import AdamConfig, Config, ConfigError, DynamicLossScale
+
+__all__ = ["from_deepspeed", "BatchSizes", "batch_sizes"]
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "torch.float32": torch.float32,
+           "fp16": torch.float16, "float16": torch.float16, "half": torch.float16, "torch.float16": torch.float16,
+           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "torch.bfloat16": torch.bfloat16}
+# Keys that change nothing in zfunc's results (logging, bucket sizes of DeepSpeed's own comm).
+_HARMLESS = {"steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer", "dump_state",
+             "gradient_predivide_factor", "prescale_gradients", "gradient_allreduce_op", "seed"}
+_ZERO_HANDLED = {"stage"}
+_ZERO_HARMLESS = {"contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "allgather_bucket_size",
+                  "overlap_comm", "allgather_partitions", "round_robin_gradients", "sub_group_size",
+                  "ignore_unused_parameters", "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
+                  "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
+                  "stage3_param_persistence_threshold", "stage3_model_persistence_threshold"}
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSizes:
+    """DeepSpeed's three batch numbers, consistent: ``train = micro * grad_accum * world``."""
+
+    train_batch_size: int
+    micro_batch_size: int
+    grad_accum: int
+
+
+def _err(path: str, expected: str, got: Any) -> ConfigError:
+    return ConfigError(f"{path}: expected {expected}, got {got!r}")
+
+
+def _pos_int(ds: Mapping[str, Any], key: str) -> int | None:
+    v = ds.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise _err(key, "a positive integer", v)
+    return v
+
+
+def batch_sizes(ds: Mapping[str, Any], world_size: int) -> BatchSizes:
+    """Fill in and check DeepSpeed's batch keys for ``world_size`` data-parallel ranks.
+
+    Examples:
+        >>> from zfunc.deepspeed_config import batch_sizes
+        >>> batch_sizes({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 8}, world_size=2)
+        BatchSizes(train_batch_size=32, micro_batch_size=8, grad_accum=2)
+    """
+    tbs = _pos_int(ds, "train_batch_size")
+    mbs = _pos_int(ds, "train_micro_batch_size_per_gpu")
+    gas = _pos_int(ds, "gradient_accumulation_steps")
+    if tbs is None and mbs is None:
+        raise ConfigError("train_batch_size / train_micro_batch_size_per_gpu: set at least one of them")
+    if tbs is not None and mbs is not None and gas is None:
+        gas = max(tbs // mbs // world_size, 1)
+    elif tbs is not None and gas is not None and mbs is None:
+        mbs = max(tbs // world_size // gas, 1)
+    elif tbs is None:
+        gas = gas or 1
+        tbs = mbs * gas * world_size
+    elif mbs is None:
+        gas = 1
+        mbs = max(tbs // world_size, 1)
+    if tbs != mbs * gas * world_size:
+        raise ConfigError(
+            f"train_batch_size {tbs} != train_micro_batch_size_per_gpu {mbs} * gradient_accumulation_steps "
+            f"{gas} * world size {world_size}; make the three batch keys consistent (or set only two of them)")
+    return BatchSizes(train_batch_size=tbs, micro_batch_size=mbs, grad_accum=gas)
+
+
+def _section(ds: Mapping[str, Any], key: str) -> dict[str, Any]:
+    v = ds.get(key) or {}
+    if not isinstance(v, Mapping):
+        raise _err(key, "a dict", v)
+    return dict(v)
+
+
+def _number(sec: Mapping[str, Any], path: str, key: str, default: float) -> float:
+    """A finite number >= 0 (numeric strings such as "3" are accepted, as DeepSpeed does)."""
+    v = sec.get(key, default)
+    name = f"{path}.{key}" if path else key
+    if isinstance(v, str):
+        try:
+            v = float(v)
+        except ValueError:
+            raise _err(name, "a finite number >= 0", v) from None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise _err(name, "a finite number >= 0", v)
+    return float(v)
+
+
+def _optimizer(ds: Mapping[str, Any]) -> AdamConfig:
+    sec = _section(ds, "optimizer")
+    kind = str(sec.get("type", "AdamW"))
+    params = dict(sec.get("params") or {})
+    if "max_grad_norm" in params:
+        raise ConfigError("optimizer.params.max_grad_norm: not supported; use the top-level gradient_clipping")
+    if kind.lower() not in ("adam", "adamw"):
+        raise _err("optimizer.type", '"Adam" or "AdamW" (zfunc implements Adam/AdamW)', kind)
+    # DeepSpeed: "Adam" means AdamW unless adam_w_mode is false.
+    decoupled = bool(params.pop("adam_w_mode", True)) if kind.lower() == "adam" else True
+    params.pop("torch_adam", None)
+    unknown = set(params) - {"lr", "betas", "eps", "weight_decay"}
+    if unknown:
+        raise _err("optimizer.params", "only lr, betas, eps, weight_decay, adam_w_mode, torch_adam", sorted(unknown))
+    try:
+        return AdamConfig(lr=params.get("lr", 1e-3), betas=tuple(params.get("betas", (0.9, 0.999))),
+                          eps=params.get("eps", 1e-8), weight_decay=params.get("weight_decay", 0.0),
+                          decoupled=decoupled)
+    except ConfigError as e:
+        raise ConfigError(f"optimizer.params.{e}") from None
+
+
+def _scheduler(ds: Mapping[str, Any], lr: float) -> Any:
+    sec = _section(ds, "scheduler")
+    if not sec:
+        return None
+    kind, params = sec.get("type"), dict(sec.get("params") or {})
+    factories = {"WarmupLR": schedules.warmup_lr, "WarmupDecayLR": schedules.warmup_decay_lr,
+                 "WarmupCosineLR": schedules.warmup_cosine_lr}
+    if kind not in factories:
+        raise _err("scheduler.type", f"one of {sorted(factories)}", kind)
+    if kind != "WarmupCosineLR":
+        params.setdefault("warmup_max_lr", lr)
+    else:
+        params["lr"] = lr
+    params.pop("last_batch_iteration", None)
+    try:
+        inner = factories[kind](**params)
+    except TypeError as e:
+        raise ConfigError(f"scheduler.params: {e}") from None
+    except ConfigError as e:
+        raise ConfigError(f"scheduler.params.{e}") from None
+    return _Lagged(inner)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lagged:
+    """DeepSpeed's schedulers set the start value at construction and step after each update,
+    so update ``u`` uses the formula at ``max(u - 1, 0)``: the first two updates share a value."""
+
+    inner: Any
+
+    def __call__(self, step: Any) -> torch.Tensor:
+        return self.inner(torch.clamp(torch.as_tensor(step) - 1, min=0))
+
+
+def _dtype(v: Any, path: str) -> torch.dtype:
+    if isinstance(v, torch.dtype):
+        return v
+    if str(v) not in _DTYPES:
+        raise _err(path, '"fp32", "fp16" or "bf16"', v)
+    return _DTYPES[str(v)]
+
+
+def from_deepspeed(ds: Mapping[str, Any] | str | os.PathLike, world_size: int = 1) -> Config:
+    """A `Config` from a DeepSpeed config (a dict, or the path of a JSON file).
+
+    Examples:
+        >>> import zfunc
+        >>> cfg = zfunc.Config.from_deepspeed({
+        ...     "train_batch_size": 32, "train_micro_batch_size_per_gpu": 8,
+        ...     "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
+        ...     "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}, world_size=2)
+        >>> cfg.stage, cfg.grad_accum, cfg.precision, cfg.clip, cfg.optimizer.decoupled
+        (2, 2, 'bf16', 1.0, True)
+    """
+    if isinstance(ds, (str, os.PathLike)):
+        with open(ds) as f:
+            ds = json.load(f)
+    if not isinstance(ds, Mapping):
+        raise ConfigError(f"config: expected a dict or a JSON file path, got {type(ds).__name__}")
+    known = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+             "gradient_clipping", "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "torch_autocast",
+             "zero_optimization", "data_types", "communication_data_type", *_HARMLESS}
+    ignored = [k for k in ds if k not in known]
+    zero = _section(ds, "zero_optimization")
+    ignored += [f"zero_optimization.{k}" for k in zero if k not in _ZERO_HANDLED | _ZERO_HARMLESS]
+    if ignored:
+        warnings.warn(f"zfunc ignores these DeepSpeed config keys: {', '.join(sorted(ignored))}", stacklevel=3)
+
+    sizes = batch_sizes(ds, world_size)
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        raise _err("zero_optimization.stage", "one of 0, 1, 2, 3", stage)
+    clip = _number(ds, "", "gradient_clipping", 1.0)
+    optimizer = _optimizer(ds)
+
+    fp16, bf16 = _section(ds, "fp16"), _section(ds, "bf16") or _section(ds, "bfloat16")
+    auto = _section(ds, "torch_autocast")
+    if fp16.get("enabled") and bf16.get("enabled"):
+        raise ConfigError("fp16.enabled and bf16.enabled: both are true; enable one of them")
+    precision, master, moments, loss_scale = "fp32", torch.float32, torch.float32, None
+    if fp16.get("enabled"):
+        precision = "fp16"
+        static = _number(fp16, "fp16", "loss_scale", 0.0)
+        if static > 0:
+            loss_scale = static
+        else:
+            try:
+                loss_scale = DynamicLossScale(
+                    init=2.0 ** _number(fp16, "fp16", "initial_scale_power", 16),
+                    window=fp16.get("loss_scale_window", 1000), hysteresis=fp16.get("hysteresis", 2),
+                    min_scale=fp16.get("min_loss_scale", 1), consecutive_hysteresis=bool(fp16.get("consecutive_hysteresis", False)))
+            except ConfigError as e:
+                raise ConfigError("fp16." + str(e).replace("loss_scale.window", "loss_scale_window")
+                                  .replace("loss_scale.min_scale", "min_loss_scale")
+                                  .replace("loss_scale.hysteresis", "hysteresis")) from None
+        if fp16.get("fp16_master_weights_and_gradients") or fp16.get("fp16_master_weights_and_grads"):
+            master = torch.float16
+    elif bf16.get("enabled"):
+        precision = "bf16"
+        if bf16.get("bf16_master_weights_and_grads"):
+            master = torch.bfloat16
+        if bf16.get("bf16_optimizer_states"):
+            if master != torch.bfloat16:
+                raise ConfigError("bf16.bf16_optimizer_states: needs bf16.bf16_master_weights_and_grads true")
+            moments = torch.bfloat16
+    autocast = None
+    if auto.get("enabled"):
+        autocast = _dtype(auto.get("dtype") or "bf16", "torch_autocast.dtype")
+        if autocast == torch.float16 and loss_scale is None:
+            loss_scale = DynamicLossScale()
+    types = _section(ds, "data_types")
+    accum = _dtype(types["grad_accum_dtype"], "data_types.grad_accum_dtype") if types.get("grad_accum_dtype") else master
+    comm_dtype = ds.get("communication_data_type")
+    return Config(stage=stage, precision=precision, optimizer=optimizer, grad_accum=sizes.grad_accum,
+                  clip=clip or None, loss_scale=loss_scale, master_dtype=master, moment_dtype=moments,
+                  grad_accum_dtype=accum,
+                  comm_dtype=_dtype(comm_dtype, "communication_data_type") if comm_dtype else None,
+                  autocast=autocast, lr_schedule=_scheduler(ds, optimizer.lr))

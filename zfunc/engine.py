@@ -1,0 +1,275 @@
+"""The imperative shim: `initialize` and a DeepSpeed-style engine over the pure functions.
+
+The engine holds one `TrainState` and calls the same functions a functional loop calls. Forward
+binds the module to the state through sink leaves whose ``.grad`` *is* the state's gradient
+buffer, so every way of running backward (``engine.backward(loss)``, ``loss.backward()``,
+``out.backward(grad)``, one loss over several engines, ``retain_graph``) accumulates straight
+into the state; ``step()`` counts the micro-step and, at the boundary, runs `apply_step`
+donating the state. No hook counting and no private autograd API are involved.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from zfunc import comm
+from zfunc.backward import _sinks, bind
+from zfunc.config import AdamConfig, Config, ConfigError
+from zfunc.deepspeed_config import batch_sizes
+from zfunc.state import TrainState, init
+from zfunc.update import apply_step, learning_rate
+
+__all__ = ["Engine", "initialize"]
+
+
+class Engine:
+    """A DeepSpeed-compatible engine: ``engine(x)``, ``engine.backward(loss)``, ``engine.step()``.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> torch.manual_seed(0) and None
+        >>> engine, *_ = zfunc.initialize(model=torch.nn.Linear(2, 1), config={
+        ...     "train_batch_size": 4, "gradient_accumulation_steps": 2,
+        ...     "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}})
+        >>> for _ in range(4):
+        ...     loss = engine(torch.ones(2, 2)).pow(2).mean()
+        ...     loss.backward()                       # or engine.backward(loss)
+        ...     engine.step()
+        >>> engine.micro_steps, engine.global_steps, engine.was_step_applied()
+        (4, 2, True)
+    """
+
+    def __init__(self, model: torch.nn.Module, cfg: Config, *, group: comm.Group | None = None,
+                 train_batch_size: int | None = None):
+        self.module = model
+        self.config = cfg
+        self.micro_steps = 0
+        self.global_samples = 0
+        self.train_batch_size = train_batch_size
+        self._boundary: bool | None = None
+        self._applied = False
+        self._pending_loss: torch.Tensor | None = None
+        self.state = init(model, cfg, group)
+
+    # -- the state ---------------------------------------------------------------------------
+    @property
+    def state(self) -> TrainState:
+        """The `TrainState`; assign one (e.g. from functional code) to hand it back."""
+        return self._state
+
+    @state.setter
+    def state(self, state: TrainState) -> None:
+        if not isinstance(state, TrainState):
+            raise TypeError(f"engine.state: expected a zfunc.TrainState, got {type(state).__name__}")
+        self._state = state
+        self._sinks = _sinks(state)
+        lay = state.layout
+        for unit, sink in zip(lay.units, self._sinks):
+            sink.grad = state.grads.narrow(0, 0, unit.padded) if state.stage < 2 else lay.arena_slice(state.grads, unit)
+        self._share_module_params()
+
+    def _share_module_params(self) -> None:
+        """Stages 0-2: point the module's parameters at the compute buffer (no copy), so
+        ``engine.module`` always shows the current weights. Stage 3 keeps the module's own."""
+        st = self._state
+        if st.stage == 3:
+            return
+        views = st.layout.views(st.layout.units[0], st.compute)
+        for name, p in self.module.named_parameters():
+            if name in views and p.dtype == views[name].dtype:
+                p.data = views[name]
+
+    # -- forward and backward ----------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's forward on the state's parameters (under autocast if configured)."""
+        return bind(self._state, self._sinks)(*args, **kwargs)
+
+    __call__ = forward
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward from a scalar ``loss``; returns the loss divided by ``grad_accum``.
+
+        Loss scaling and the ``1 / grad_accum`` factor live in the graph (on the model outputs),
+        so this is ``loss.backward()`` plus bookkeeping; ``scale_wrt_gas=False`` undoes the
+        ``1 / grad_accum`` for this backward.
+        """
+        self._check_scalar(loss, "backward")
+        ga = self.config.grad_accum
+        seed = None if scale_wrt_gas else torch.full_like(loss, float(ga))
+        loss.backward(seed, retain_graph=retain_graph)
+        detached = loss.detach().reshape(()).float()
+        self._pending_loss = detached if self._pending_loss is None else self._pending_loss + detached
+        return detached / ga if scale_wrt_gas else detached
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """DeepSpeed's ``engine.scale(loss)``: here the identity, as the scale is in the graph."""
+        self._check_scalar(loss, "scale")
+        return loss
+
+    @staticmethod
+    def _check_scalar(loss: Any, what: str) -> None:
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
+            raise ValueError(f"engine.{what}(loss): expected a scalar tensor with a grad_fn; for a non-scalar "
+                             "output call out.backward(grad) directly")
+
+    # -- the step ----------------------------------------------------------------------------
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next `step` updates: every ``grad_accum``-th call, unless overridden."""
+        if self._boundary is not None:
+            return self._boundary
+        return (self.micro_steps + 1) % self.config.grad_accum == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Override the boundary from now on (sticky, as in DeepSpeed)."""
+        self._boundary = bool(is_boundary)
+
+    def step(self, lr_kwargs: Mapping[str, Any] | None = None) -> None:
+        """End a micro-step; at the accumulation boundary apply the optimizer step."""
+        del lr_kwargs  # schedules are functions of the applied-step count, in the state
+        st = self._state
+        loss_sum = st.loss_sum if self._pending_loss is None else st.loss_sum + self._pending_loss
+        self._pending_loss = None
+        boundary = self.is_gradient_accumulation_boundary()
+        st = st.replace(micro_step=st.micro_step + 1, loss_sum=loss_sum)
+        if boundary:
+            st = apply_step(st, donate=True)
+            self.global_samples += self.train_batch_size or 0
+        self._state = st  # same buffers: sinks and module views stay valid
+        self._applied = boundary
+        self.micro_steps += 1
+
+    def zero_grad(self) -> None:
+        """Drop the gradients accumulated since the last step."""
+        self._state.grads.zero_()
+
+    def was_step_applied(self) -> bool:
+        """Whether the last `step` changed the weights (a boundary without overflow)."""
+        return self._applied and self._state.metrics.skipped.item() == 0
+
+    # -- counters and readings (reading a device value syncs) --------------------------------
+    @property
+    def global_steps(self) -> int:
+        return int(self._state.step.item())
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self._state.scaler.skipped.item())
+
+    @property
+    def loss_scale(self) -> float:
+        return self._state.scaler.scale.item()
+
+    def get_lr(self) -> list[float]:
+        """The learning rate the next applied step will use, as DeepSpeed's one-group list."""
+        return [learning_rate(self._state).item()]
+
+    def get_global_grad_norm(self) -> float:
+        """The global gradient norm of the last step (unscaled, before clipping)."""
+        return self._state.metrics.grad_norm.item()
+
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+
+class _OptimizerView:
+    """What ``initialize`` returns as the optimizer: hyperparameters to read, ``zero_grad``."""
+
+    def __init__(self, engine: Engine):
+        self._engine = engine
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        opt = self._engine.config.optimizer
+        return [{"lr": self._engine.get_lr()[0], "betas": opt.betas, "eps": opt.eps,
+                 "weight_decay": opt.weight_decay}]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        del set_to_none
+        self._engine.zero_grad()
+
+
+class _SchedulerView:
+    """What ``initialize`` returns as the scheduler; the engine advances it with applied steps."""
+
+    def __init__(self, engine: Engine):
+        self._engine = engine
+
+    def get_lr(self) -> list[float]:
+        return self._engine.get_lr()
+
+    get_last_lr = get_lr
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """A no-op: the schedule follows the applied-step count in the state."""
+
+
+def _optimizer_config(optimizer: Any) -> AdamConfig:
+    if isinstance(optimizer, AdamConfig):
+        return optimizer
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        g = optimizer.param_groups[0]
+        decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(g.get("decoupled_weight_decay"))
+        return AdamConfig(lr=float(g["lr"]), betas=tuple(g["betas"]), eps=g["eps"],
+                          weight_decay=g["weight_decay"], decoupled=decoupled)
+    raise ConfigError(f"optimizer: expected None, zfunc.adam(...)/adamw(...), or a torch.optim.Adam/AdamW, "
+                      f"got {type(optimizer).__name__}")
+
+
+def initialize(model: torch.nn.Module, config: Mapping[str, Any] | str | os.PathLike | Config | None = None,
+               model_parameters: Iterable[torch.nn.Parameter] | None = None, optimizer: Any = None,
+               lr_scheduler: Any = None, *, group: comm.Group | None = None,
+               **kwargs: Any) -> tuple[Engine, Any, None, Any]:
+    """``deepspeed.initialize`` for zfunc: ``(engine, optimizer, None, lr_scheduler)``.
+
+    Args:
+        model: the module.
+        config: a DeepSpeed config dict or JSON path (or a `zfunc.Config`).
+        model_parameters: the parameters to train; the module's others stay frozen.
+        optimizer: ``None`` (the config's), a `zfunc.adamw(...)`, or a torch Adam/AdamW whose
+            hyperparameters are taken.
+        lr_scheduler: must be ``None``: use the config's ``scheduler`` or ``Config.lr_schedule``.
+        group: the ranks (default: the world).
+
+    Examples:
+        >>> import torch, zfunc
+        >>> engine, optimizer, _, scheduler = zfunc.initialize(
+        ...     model=torch.nn.Linear(3, 1), config={"train_micro_batch_size_per_gpu": 2})
+        >>> engine.config.stage, optimizer.param_groups[0]["lr"], scheduler
+        (0, 0.001, None)
+    """
+    config = kwargs.pop("config_params", config)
+    if kwargs:
+        raise TypeError(f"initialize: unexpected arguments {sorted(kwargs)}")
+    if lr_scheduler is not None:
+        raise ConfigError("lr_scheduler: zfunc schedules are functions of the step count; use the config's "
+                          "'scheduler' section or zfunc.Config(lr_schedule=zfunc.schedules....)")
+    group = group or comm.world()
+    tbs = None
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as f:
+            config = json.load(f)
+    if isinstance(config, Config):
+        cfg = config
+    else:
+        cfg = Config.from_deepspeed(config or {"train_micro_batch_size_per_gpu": 1}, world_size=group.size)
+        if isinstance(config, Mapping):
+            tbs = batch_sizes(config, group.size).train_batch_size
+    if optimizer is not None:
+        cfg = cfg.replace(optimizer=_optimizer_config(optimizer))
+    if model_parameters is not None:
+        keep = {id(p) for p in model_parameters}
+        for p in model.parameters():
+            if id(p) not in keep:
+                p.requires_grad_(False)
+    engine = Engine(model, cfg, group=group, train_batch_size=tbs)
+    scheduler = _SchedulerView(engine) if cfg.lr_schedule is not None else None
+    return engine, _OptimizerView(engine), None, scheduler
