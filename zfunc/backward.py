@@ -20,9 +20,10 @@ from torch.func import functional_call
 
 from zfunc import comm
 from zfunc._tree import tree
+from zfunc.gather import Binding
 from zfunc.state import TrainState
 
-__all__ = ["backward_step", "vjp", "accumulate", "bind", "cotangent_factor"]
+__all__ = ["backward_step", "vjp", "accumulate", "bind", "cotangent_factor", "sinks_into", "grad_views"]
 
 
 class _ScaleCotangent(torch.autograd.Function):
@@ -59,30 +60,46 @@ def cotangent_factor(state: TrainState) -> torch.Tensor:
     return state.scaler.scale / (state.cfg.grad_accum * state.group.size)
 
 
-def _sinks(state: TrainState) -> list[torch.Tensor]:
-    """One zero-memory leaf per unit that backward delivers the unit's gradient to."""
-    lay, dt = state.layout, state.cfg.grad_accum_dtype
-    sizes = [u.padded if state.stage < 2 else u.shard for u in lay.units]
-    return [torch.zeros((), dtype=dt, device=state.device).expand(n).requires_grad_() for n in sizes]
+def grad_views(state: TrainState, grads: torch.Tensor) -> list[torch.Tensor]:
+    """Each unit's part of a gradient buffer: its full flat buffer (stages 0-1) or its shard."""
+    lay = state.layout
+    return [grads.narrow(0, 0, u.padded) if state.stage < 2 else lay.arena_slice(grads, u) for u in lay.units]
+
+
+def sinks_into(state: TrainState, grads: torch.Tensor) -> list[torch.Tensor]:
+    """One zero-memory leaf per unit whose ``.grad`` is that unit's part of ``grads``.
+
+    Backward accumulates each unit's gradient (full at stages 0-1, this rank's reduce-scattered
+    shard at stages 2-3) straight into ``grads``, in place.
+    """
+    dt = state.cfg.grad_accum_dtype
+    sinks = []
+    for part in grad_views(state, grads):
+        sink = torch.zeros((), dtype=dt, device=state.device).expand(part.numel()).requires_grad_()
+        sink.grad = part
+        sinks.append(sink)
+    return sinks
 
 
 def bind(state: TrainState, sinks: Sequence[torch.Tensor]) -> Callable[..., Any]:
     """The module as a function of its inputs, running on ``state``'s parameters.
 
-    Gradients of anything computed from its outputs reach ``sinks`` (see `_sinks`).
+    Gradients of anything computed from its outputs reach ``sinks`` (see `sinks_into`).
     """
     lay, cfg, group = state.layout, state.cfg, state.group
     factor = cotangent_factor(state)
 
     def model(*args: Any, **kwargs: Any) -> Any:
         tensors = dict(state.frozen)
-        for unit, sink in zip(lay.units, sinks):
-            if state.stage == 3:
-                full = comm.bind_unit(sink, lay.arena_slice(state.compute, unit), None, group,
-                                      cfg.reduce_dtype, True)
-            else:
-                full = comm.bind_unit(sink, None, state.compute, group, cfg.reduce_dtype, state.stage == 2)
+        if state.stage == 3:  # the root unit now; the others when their modules run
+            binding = Binding(state, sinks)
+            tensors.update(binding.root_views())
+            hooks = binding.saved_tensor_hooks()
+        else:
+            (unit,) = lay.units
+            full = comm.bind_unit(sinks[0], None, state.compute, group, cfg.reduce_dtype, state.stage == 2)
             tensors.update(lay.views(unit, full))
+            hooks = contextlib.nullcontext()
         if cfg.autocast is None and cfg.compute_dtype != torch.float32:
             # Like FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True): a low-precision model
             # takes its floating-point inputs in its own dtype.
@@ -90,24 +107,11 @@ def bind(state: TrainState, sinks: Sequence[torch.Tensor]) -> Callable[..., Any]
         args, kwargs = _scale_tree((args, kwargs), 1 / factor)
         ctx = (torch.autocast(state.device.type, dtype=cfg.autocast) if cfg.autocast
                else contextlib.nullcontext())
-        with ctx:
+        with ctx, hooks:
             out = functional_call(state.module, tensors, args, kwargs, tie_weights=True, strict=False)
         return _scale_tree(out, factor)
 
     return model
-
-
-def _add_grads(state: TrainState, unit_grads: Sequence[torch.Tensor | None],
-               loss: torch.Tensor | None, donate: bool) -> TrainState:
-    grads = state.grads if donate else state.grads.clone()
-    lay = state.layout
-    for unit, g in zip(lay.units, unit_grads):
-        if g is None:
-            continue
-        dst = grads.narrow(0, 0, unit.padded) if state.stage < 2 else lay.arena_slice(grads, unit)
-        dst.add_(g)
-    loss_sum = state.loss_sum if loss is None else state.loss_sum + loss.detach().float()
-    return state.replace(grads=grads, micro_step=state.micro_step + 1, loss_sum=loss_sum)
 
 
 def backward_step(state: TrainState, loss_fn: Callable[..., Any], batch: Any, *,
@@ -140,16 +144,16 @@ def backward_step(state: TrainState, loss_fn: Callable[..., Any], batch: Any, *,
         >>> round(loss.item(), 4), state.micro_step.item()
         (0.0432, 1)
     """
-    sinks = _sinks(state)
-    out = loss_fn(bind(state, sinks), batch)
+    grads = state.grads if donate else state.grads.clone()
+    out = loss_fn(bind(state, sinks_into(state, grads)), batch)
     loss, aux = out if has_aux else (out, None)
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
         raise TypeError(f"loss_fn must return a scalar tensor{' first' if has_aux else ''}; "
                         f"got {type(loss).__name__}" + (f" of shape {list(loss.shape)}"
                                                         if isinstance(loss, torch.Tensor) else ""))
-    grads = torch.autograd.grad(loss, sinks, allow_unused=True)
-    new = _add_grads(state, grads, loss.reshape(()), donate)
+    loss.backward()  # into `grads` through the sinks (plain backward: reentrant checkpointing works)
     loss = loss.detach().reshape(())
+    new = state.replace(grads=grads, micro_step=state.micro_step + 1, loss_sum=state.loss_sum + loss.float())
     return new, ((loss, aux) if has_aux else loss)
 
 
@@ -182,7 +186,8 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
         >>> out.shape, dx.shape, state.micro_step.item()
         (torch.Size([4, 3]), torch.Size([4, 2]), 1)
     """
-    sinks = _sinks(state)
+    grads = state.grads if donate else state.grads.clone()
+    sinks = sinks_into(state, grads)
     args = list(args)
     wrt = []
     for i in argnums:
@@ -202,12 +207,11 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
             if o.shape != c.shape:
                 raise ValueError(f"pullback: cotangent shape {list(c.shape)} differs from output shape "
                                  f"{list(o.shape)}")
-        grads = torch.autograd.grad(outs, sinks + wrt, cots, allow_unused=True, retain_graph=retain_graph)
-        new = _add_grads(state, grads[:len(sinks)], None, donate)
+        torch.autograd.backward(outs, cots, retain_graph=retain_graph)
+        new = state.replace(grads=grads, micro_step=state.micro_step + 1)
         if not argnums:
             return new
-        arg_grads = tuple(torch.zeros_like(a) if g is None else g for a, g in zip(wrt, grads[len(sinks):]))
-        return new, arg_grads
+        return new, tuple(torch.zeros_like(a) if a.grad is None else a.grad for a in wrt)
 
     return tree.map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out), pullback
 
@@ -244,4 +248,7 @@ def accumulate(state: TrainState, grads: dict[str, torch.Tensor], *, donate: boo
         if state.stage >= 2:
             flat = comm.reduce_scatter(flat, "sum", state.group)
         unit_grads.append(flat.to(cfg.grad_accum_dtype))
-    return _add_grads(state, unit_grads, None, donate)
+    grads = state.grads if donate else state.grads.clone()
+    for part, g in zip(grad_views(state, grads), unit_grads):
+        part.add_(g)
+    return state.replace(grads=grads, micro_step=state.micro_step + 1)

@@ -148,7 +148,10 @@ class Config:
         comm_dtype: dtype gradients are reduced in (default: ``grad_accum_dtype``).
         autocast: a dtype to run forward under `torch.autocast`, or ``None``.
         lr_schedule: callable ``step -> lr`` (see `zfunc.schedules`), or ``None`` for a constant.
-        units: stage 3: module names or classes gathered as one unit each.
+        units: stage 3: module names or classes gathered as one unit each (default: the
+            elements of the model's ``nn.ModuleList``s, e.g. its transformer blocks).
+        persist_threshold: stage 3: parameters of at most this many elements stay in the root
+            unit, gathered once per forward (DeepSpeed's ``stage3_param_persistence_threshold``).
         align: elements each rank's shard is padded to a multiple of (keeps shards 16-byte aligned).
 
     Examples:
@@ -173,6 +176,7 @@ class Config:
     autocast: torch.dtype | None = None
     lr_schedule: Callable[[Any], Any] | None = None
     units: Sequence[str | type] | None = None
+    persist_threshold: int = 100_000
     align: int = 4
 
     def __post_init__(self) -> None:
@@ -201,6 +205,13 @@ class Config:
         _check(self.lr_schedule is None or callable(self.lr_schedule), "lr_schedule",
                "None or a callable step -> lr", self.lr_schedule)
         _check(_positive_int(self.align), "align", "a positive integer", self.align)
+        _check(isinstance(self.persist_threshold, int) and self.persist_threshold >= 0, "persist_threshold",
+               "an integer >= 0", self.persist_threshold)
+        _check(self.units is None or (isinstance(self.units, (list, tuple))
+                                      and all(isinstance(u, (str, type)) for u in self.units)),
+               "units", "None or a list of module names or module classes", self.units)
+        if self.units is not None:
+            object.__setattr__(self, "units", tuple(self.units))
         if (self.precision == "bf16" or self.autocast == torch.bfloat16) and self.loss_scale is not None:
             raise ConfigError("loss_scale: bf16 needs no loss scaling (its range is fp32's); "
                               "set loss_scale=None, or use precision='fp16'")

@@ -29,12 +29,12 @@ _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "torch.float32": tor
 # Keys that change nothing in zfunc's results (logging, bucket sizes of DeepSpeed's own comm).
 _HARMLESS = {"steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer", "dump_state",
              "gradient_predivide_factor", "prescale_gradients", "gradient_allreduce_op", "seed"}
-_ZERO_HANDLED = {"stage"}
+_ZERO_HANDLED = {"stage", "stage3_param_persistence_threshold"}
 _ZERO_HARMLESS = {"contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "allgather_bucket_size",
                   "overlap_comm", "allgather_partitions", "round_robin_gradients", "sub_group_size",
                   "ignore_unused_parameters", "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
                   "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
-                  "stage3_param_persistence_threshold", "stage3_model_persistence_threshold"}
+                  "stage3_model_persistence_threshold"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +205,7 @@ def from_deepspeed(ds: Mapping[str, Any] | str | os.PathLike, world_size: int = 
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
         raise _err("zero_optimization.stage", "one of 0, 1, 2, 3", stage)
     clip = _number(ds, "", "gradient_clipping", 1.0)
+    persist = int(_number(zero, "zero_optimization", "stage3_param_persistence_threshold", 100_000))
     optimizer = _optimizer(ds)
 
     fp16, bf16 = _section(ds, "fp16"), _section(ds, "bf16") or _section(ds, "bfloat16")
@@ -249,4 +250,4 @@ def from_deepspeed(ds: Mapping[str, Any] | str | os.PathLike, world_size: int = 
                   clip=clip or None, loss_scale=loss_scale, master_dtype=master, moment_dtype=moments,
                   grad_accum_dtype=accum,
                   comm_dtype=_dtype(comm_dtype, "communication_data_type") if comm_dtype else None,
-                  autocast=autocast, lr_schedule=_scheduler(ds, optimizer.lr))
+                  autocast=autocast, lr_schedule=_scheduler(ds, optimizer.lr), persist_threshold=persist)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from zfunc import comm
-from zfunc.backward import _sinks, bind
+from zfunc.backward import bind, sinks_into
 from zfunc.config import AdamConfig, Config, ConfigError
 from zfunc.deepspeed_config import batch_sizes
 from zfunc.state import TrainState, init
@@ -67,10 +67,7 @@ class Engine:
         if not isinstance(state, TrainState):
             raise TypeError(f"engine.state: expected a zfunc.TrainState, got {type(state).__name__}")
         self._state = state
-        self._sinks = _sinks(state)
-        lay = state.layout
-        for unit, sink in zip(lay.units, self._sinks):
-            sink.grad = state.grads.narrow(0, 0, unit.padded) if state.stage < 2 else lay.arena_slice(state.grads, unit)
+        self._sinks = sinks_into(state, state.grads)
         self._share_module_params()
 
     def _share_module_params(self) -> None:

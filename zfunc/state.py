@@ -14,6 +14,7 @@ import torch
 from zfunc import comm
 from zfunc._tree import dataclass, field
 from zfunc.config import Config, ConfigError
+from zfunc.gather import install_hooks
 from zfunc.layout import Layout, make_layout
 from zfunc.scaler import ScalerState, scaler_init
 
@@ -126,19 +127,45 @@ def _check_same_everywhere(model: torch.nn.Module, group: comm.Group) -> None:
                 "build the same model on every rank")
 
 
+def _default_units(model: torch.nn.Module) -> list[str]:
+    """The elements of the outermost ``nn.ModuleList``s (e.g. transformer blocks)."""
+    names: list[str] = []
+    for mname, mod in model.named_modules():
+        if isinstance(mod, torch.nn.ModuleList) and not any(mname.startswith(n + ".") for n in names):
+            names.extend(f"{mname}.{child}" if mname else child for child, _ in mod.named_children())
+    return names
+
+
 def _units(model: torch.nn.Module, cfg: Config,
            trainable: dict[str, torch.Tensor]) -> tuple[list[list[tuple[str, tuple]]], list[str]]:
-    """Group trainable parameters into units: one for stages 0-2, per ``cfg.units`` for 3."""
-    if cfg.stage < 3 or not cfg.units:
+    """Group trainable parameters into units: one for stages 0-2; for stage 3 one per unit
+    module, plus ``"root"`` for the rest, for small parameters and for weights shared by two
+    units."""
+    if cfg.stage < 3:
         return [[(n, tuple(p.shape)) for n, p in trainable.items()]], ["model"]
-    owner: dict[str, str] = {}
+    wanted = cfg.units if cfg.units is not None else _default_units(model)
+    unknown = [u for u in wanted if isinstance(u, str) and u not in dict(model.named_modules())]
+    if unknown:
+        raise ConfigError(f"units: {unknown} are not module names of the model")
+    owner: dict[int, set[str]] = {}
+    unit_names: list[str] = []
     for mname, mod in model.named_modules():
-        if any(u == mname or (isinstance(u, type) and isinstance(mod, u)) for u in cfg.units):
-            for pname, _ in mod.named_parameters(prefix=mname):
-                owner.setdefault(pname, mname)
-    groups: dict[str, list[tuple[str, tuple]]] = {}
-    for n, p in trainable.items():  # units in the order their first parameter appears
-        groups.setdefault(owner.get(n, "root"), []).append((n, tuple(p.shape)))
+        inside = any(mname.startswith(u + ".") for u in unit_names)
+        if mname and not inside and any(u == mname or (isinstance(u, type) and isinstance(mod, u)) for u in wanted):
+            unit_names.append(mname)
+            for p in mod.parameters():
+                owner.setdefault(id(p), set()).add(mname)
+        elif not inside and mname not in unit_names:  # used outside every unit: must be in root
+            for p in mod.parameters(recurse=False):
+                owner.setdefault(id(p), set()).add("")
+    groups: dict[str, list[tuple[str, tuple]]] = {"root": []}
+    for n, p in trainable.items():
+        units = owner.get(id(p), set())
+        unit = next(iter(units)) if len(units) == 1 and p.numel() > cfg.persist_threshold else ""
+        unit = unit or "root"
+        groups.setdefault(unit, []).append((n, tuple(p.shape)))
+    if not groups["root"]:
+        del groups["root"]
     return list(groups.values()), list(groups)
 
 
@@ -186,6 +213,8 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None) -
                             zip(layout.units, full_master)])
     if cfg.stage == 3:
         compute = params if cdt == mdt else params.to(cdt)
+        for p in trainable.values():  # the shards are the parameters now: free the module's copy
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
     else:
         compute = torch.cat(full_master).to(cdt)
         if cdt == mdt:  # the master shard is a view of the compute buffer: no second copy
@@ -198,7 +227,7 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None) -
 
     scaler = scaler_init(cfg, device)
     lr0 = cfg.lr_schedule(0) if cfg.lr_schedule else cfg.optimizer.lr
-    return TrainState(
+    state = TrainState(
         params=params, compute=compute,
         grads=torch.zeros(grads_numel, dtype=cfg.grad_accum_dtype, device=device),
         opt=AdamState(mu=zeros, nu=zeros.clone(), count=scalar(0, torch.int64)),
@@ -207,6 +236,9 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None) -
         metrics=Metrics(loss=scalar(float("nan")), grad_norm=scalar(0.0), loss_scale=scaler.scale.clone(),
                         skipped=scalar(0.0), lr=torch.as_tensor(lr0, dtype=torch.float32).to(device)),
         frozen=frozen, module=model, cfg=cfg, layout=layout, group=group)
+    if cfg.stage == 3:
+        install_hooks(state)
+    return state
 
 
 def _start_len(rng: tuple[int, int]) -> tuple[int, int]:
@@ -224,7 +256,8 @@ def _master_view(compute: torch.Tensor, layout: Layout, stage: int) -> torch.Ten
 def full_params(state: TrainState) -> dict[str, torch.Tensor]:
     """Every trainable parameter, full and in the master dtype, by name.
 
-    Names are those of ``model.named_parameters()`` (a tied weight appears once). At stages 1-3
+    Names and order are those of ``model.named_parameters()`` (a tied weight appears once; frozen
+    parameters are left out). At stages 1-3
     this gathers the shards (a collective: call it on every rank).
 
     Examples:
@@ -242,7 +275,7 @@ def full_params(state: TrainState) -> dict[str, torch.Tensor]:
         else:
             flat = comm.all_gather(lay.arena_slice(state.params, unit), state.group)
         out.update({k: v.clone() for k, v in lay.views(unit, flat).items()})
-    return out
+    return {n: out[n] for n, _ in state.module.named_parameters() if n in out}  # the model's order
 
 
 def memory_report(state: TrainState) -> dict[str, int]:
