@@ -12,6 +12,10 @@ from zfunc._tree import tree as tree
 from zfunc.backward import accumulate as accumulate
 from zfunc.backward import backward_step as backward_step
 from zfunc.backward import vjp as vjp
+from zfunc.checkpoint import CheckpointError as CheckpointError
+from zfunc.checkpoint import export as export
+from zfunc.checkpoint import load as load
+from zfunc.checkpoint import save as save
 from zfunc.config import AdamConfig as AdamConfig
 from zfunc.config import Config as Config
 from zfunc.config import ConfigError as ConfigError
@@ -38,6 +42,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AdamConfig",
     "AdamState",
+    "CheckpointError",
     "Config",
     "ConfigError",
     "DynamicLossScale",
@@ -52,12 +57,15 @@ __all__ = [
     "apply_step",
     "backward_step",
     "comm",
+    "export",
     "full_params",
     "init",
     "initialize",
     "launch",
     "learning_rate",
+    "load",
     "memory_report",
+    "save",
     "schedules",
     "train_step",
     "tree",

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from zfunc import comm
+from zfunc.checkpoint import load, read_extra, save
 from zfunc.backward import bind, sinks_into
 from zfunc.config import AdamConfig, Config, ConfigError
 from zfunc.deepspeed_config import batch_sizes
@@ -168,6 +169,43 @@ class Engine:
     def get_global_grad_norm(self) -> float:
         """The global gradient norm of the last step (unscaled, before clipping)."""
         return self._state.metrics.grad_norm.item()
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def save_checkpoint(self, save_dir: str | os.PathLike, tag: Any = None, client_state: Any = None,
+                        save_latest: bool = True) -> bool:
+        """Save to ``save_dir/tag`` (default tag ``global_step<N>``) and point ``latest`` at it.
+
+        Every rank writes its own pieces (`zfunc.save`); ``client_state`` is stored as is.
+        """
+        tag = str(tag if tag is not None else f"global_step{self.global_steps}")
+        extra = {"client_state": client_state, "micro_steps": self.micro_steps,
+                 "global_samples": self.global_samples}
+        save(self._state, os.path.join(os.fspath(save_dir), tag), extra=extra)
+        if save_latest and self._state.group.rank == 0:
+            tmp = os.path.join(os.fspath(save_dir), f".latest-{os.getpid()}")
+            with open(tmp, "w") as f:
+                f.write(tag)
+            os.replace(tmp, os.path.join(os.fspath(save_dir), "latest"))
+        comm.all_gather_object(None, self._state.group)  # barrier: `latest` is in place
+        return True
+
+    def load_checkpoint(self, load_dir: str | os.PathLike, tag: Any = None) -> tuple[str | None, Any]:
+        """Load ``load_dir/tag`` (default: the tag in ``load_dir/latest``) into the engine.
+
+        Returns ``(path, client_state)``, or ``(None, None)`` when there is no ``latest``.
+        The world size and ZeRO stage may differ from the saving run's.
+        """
+        if tag is None:
+            latest = os.path.join(os.fspath(load_dir), "latest")
+            if not os.path.isfile(latest):
+                return None, None
+            with open(latest) as f:
+                tag = f.read().strip()
+        path = os.path.join(os.fspath(load_dir), str(tag))
+        extra = read_extra(path)
+        self.state = load(path, like=self._state)
+        self.micro_steps, self.global_samples = extra["micro_steps"], extra["global_samples"]
+        return path, extra["client_state"]
 
     def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)

@@ -268,12 +268,17 @@ def full_params(state: TrainState) -> dict[str, torch.Tensor]:
         >>> sorted(p), torch.equal(p["weight"], model.weight.detach())
         (['bias', 'weight'], True)
     """
+    return gather_by_name(state, state.params)
+
+
+def gather_by_name(state: TrainState, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``t`` (shaped like ``state.params``: the master weights or a moment) in full, by name."""
     lay, out = state.layout, {}
     for unit in lay.units:
         if state.stage == 0:
-            flat = state.params.narrow(0, 0, unit.padded)
+            flat = t.narrow(0, 0, unit.padded)
         else:
-            flat = comm.all_gather(lay.arena_slice(state.params, unit), state.group)
+            flat = comm.all_gather(lay.arena_slice(t, unit), state.group)
         out.update({k: v.clone() for k, v in lay.views(unit, flat).items()})
     return {n: out[n] for n, _ in state.module.named_parameters() if n in out}  # the model's order
 

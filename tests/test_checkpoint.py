@@ -1,0 +1,208 @@
+"""Checkpoints: bitwise resume, resharding across world sizes and stages, crash safety, export,
+errors, the engine's tags, and an elastic restart under torchrun."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import zfunc
+from tests.helpers import MODELS, bitwise_equal, run_ranks, snapshot
+from zfunc.launch import World, WorldError
+from zfunc.state import gather_by_name
+
+GLOBAL = 6  # samples per step, split evenly over 1, 2 or 3 ranks
+
+
+def _batch(step: int, rank: int, world: int) -> dict:
+    full = MODELS["gpt"][2](step, 0, GLOBAL)
+    n = GLOBAL // world
+    return {k: v[rank * n:(rank + 1) * n] for k, v in full.items()}
+
+
+def _cfg(stage: int, fp16: bool = False) -> zfunc.Config:
+    return zfunc.Config(stage=stage, clip=1.0, optimizer=zfunc.adamw(lr=1e-2), persist_threshold=0,
+                        precision="fp16" if fp16 else "fp32",
+                        loss_scale=zfunc.DynamicLossScale(init=2.0**10, hysteresis=2) if fp16 else None)
+
+
+def _train(state, start: int, stop: int, rank: int, world: int, overflow_at: int | None = None):
+    for i in range(start, stop):
+        state, _ = zfunc.backward_step(state, MODELS["gpt"][1], _batch(i, rank, world), donate=True)
+        if i == overflow_at:
+            state.grads.view(-1)[0] = float("inf")  # an fp16 overflow on every rank
+        state = zfunc.apply_step(state, donate=True)
+    return state
+
+
+def _fresh(stage: int, fp16: bool):
+    torch.manual_seed(0)
+    return zfunc.init(MODELS["gpt"][0](), _cfg(stage, fp16))
+
+
+def _straight(rank: int, stage: int, fp16: bool, steps: int, overflow_at):
+    world = zfunc.comm.world().size
+    return snapshot(_train(_fresh(stage, fp16), 0, steps, rank, world, overflow_at))
+
+
+def _first_half(rank: int, stage: int, fp16: bool, k: int, path: str, overflow_at):
+    world = zfunc.comm.world().size
+    zfunc.save(_train(_fresh(stage, fp16), 0, k, rank, world, overflow_at), path)
+
+
+def _second_half(rank: int, stage: int, fp16: bool, k: int, steps: int, path: str):
+    world = zfunc.comm.world().size
+    state = zfunc.load(path, like=_fresh(stage, fp16))
+    return snapshot(_train(state, k, steps, rank, world))
+
+
+@pytest.mark.parametrize("stage,fp16", [(2, False), (3, False), (1, True)])
+def test_resume_is_bitwise_equal(tmp_path, stage, fp16):
+    path = str(tmp_path / "ckpt")
+    overflow_at = 2 if fp16 else None  # an overflow just before the save (k = 3)
+    straight = run_ranks(_straight, 2, stage, fp16, 6, overflow_at)
+    with World(2) as w:
+        w.run(_first_half, stage, fp16, 3, path, overflow_at)
+    with World(2) as w:  # a new process world
+        resumed = w.run(_second_half, stage, fp16, 3, 6, path)
+    for a, b in zip(straight, resumed):
+        assert bitwise_equal(a, b)
+
+
+def _save_at(rank: int, stage: int, path: str) -> None:
+    state = _train(_fresh(stage, False), 0, 3, rank, zfunc.comm.world().size)
+    zfunc.save(state, path)
+
+
+def _reload(rank: int, stage: int, path: str, more: int):
+    world = zfunc.comm.world().size
+    state = zfunc.load(path, like=_fresh(stage, False))
+    gathered = {role: gather_by_name(state, t) for role, t in
+                (("master", state.params), ("mu", state.opt.mu), ("nu", state.opt.nu))}
+    after = zfunc.full_params(_train(state, 3, 3 + more, rank, world))
+    return gathered, after, state.opt.count.item()
+
+
+def test_reshard_across_world_sizes_and_stages(tmp_path):
+    path = str(tmp_path / "ckpt")
+    run_ranks(_save_at, 2, 2, path)
+    base_gathered, base_after, _ = run_ranks(_reload, 2, 2, path, 2)[0]
+    for world, stage in ((3, 2), (1, 2), (3, 3), (2, 0), (1, 1)):
+        for gathered, after, count in run_ranks(_reload, world, stage, path, 2):
+            assert count == 3
+            for role in gathered:  # exactly equal right after load
+                for n, t in gathered[role].items():
+                    assert torch.equal(t, base_gathered[role][n]), (world, stage, role, n)
+            diff = max((after[n] - base_after[n]).abs().max().item() for n in after)
+            assert diff < 1e-6, (world, stage, diff)
+
+
+def _crashing_save(rank: int, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    state = _train(_fresh(2, False), 0, 1, rank, 2)
+    real = dcp.save
+
+    def dying(*a, **k):
+        if rank == 1:
+            os._exit(3)  # the rank dies mid-save, before its pieces are written
+        real(*a, **k)
+    dcp.save = dying
+    zfunc.save(state, path)
+
+
+def _load_params(rank: int, path: str):
+    return zfunc.full_params(zfunc.load(path, like=_fresh(2, False)))
+
+
+def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path):
+    path = str(tmp_path / "ckpt")
+    run_ranks(_save_at, 2, 2, path)
+    before = run_ranks(_load_params, 2, path)[0]
+    with World(2, timeout=60) as w, pytest.raises(WorldError, match="died"):
+        w.run(_crashing_save, path)
+    after = run_ranks(_load_params, 2, path)[0]
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    leftovers = [p for p in os.listdir(tmp_path) if ".tmp-" in p]
+    assert leftovers and not os.path.exists(os.path.join(tmp_path, leftovers[0], "COMPLETE"))
+    with pytest.raises(zfunc.CheckpointError, match="not a complete zfunc checkpoint"):
+        zfunc.load(os.path.join(tmp_path, leftovers[0]), like=_fresh(2, False))
+
+
+def test_export_with_tied_weights_reloads_into_a_plain_module(tmp_path):
+    from safetensors.torch import load_file
+
+    state = _train(_fresh(3, False), 0, 2, 0, 1)
+    file = zfunc.export(state, str(tmp_path / "model.safetensors"))
+    plain = MODELS["gpt"][0]()
+    missing, unexpected = plain.load_state_dict(load_file(file), strict=False)
+    assert missing == ["head.weight"] and unexpected == []  # tied to tok.weight, stored once
+    x = _batch(9, 0, 1)["x"]
+    expected = torch.func.functional_call(MODELS["gpt"][0](), zfunc.full_params(state), (x,))
+    assert torch.equal(plain(x), expected)
+    path = zfunc.save(state, str(tmp_path / "ckpt"))
+    from_dir = load_file(zfunc.export(path, str(tmp_path / "again.safetensors")))
+    assert all(torch.equal(from_dir[k], v) for k, v in load_file(file).items())
+
+
+def test_load_refuses_what_does_not_fit(tmp_path):
+    state = _fresh(2, False)
+    path = zfunc.save(state, str(tmp_path / "ckpt"))
+    torch.manual_seed(0)
+    other = zfunc.init(torch.nn.Sequential(torch.nn.Linear(3, 4)), zfunc.Config(stage=2))
+    kept = snapshot(other)
+    with pytest.raises(zfunc.CheckpointError, match=r"parameters missing from the checkpoint: \['0.bias'"):
+        zfunc.load(path, like=other)
+    assert bitwise_equal(kept, snapshot(other))
+    bf16 = zfunc.init(MODELS["gpt"][0](), _cfg(2).replace(master_dtype=torch.bfloat16, precision="bf16"))
+    with pytest.raises(zfunc.CheckpointError, match="master_dtype is torch.float32 in the checkpoint but torch.bfloat16"):
+        zfunc.load(path, like=bf16)
+    with pytest.raises(zfunc.CheckpointError, match="not a complete zfunc checkpoint"):
+        zfunc.load(str(tmp_path), like=state)
+
+
+def _engine_round_trip(rank: int, save_dir: str) -> tuple:
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    torch.manual_seed(0)
+    engine, *_ = zfunc.initialize(model=MODELS["gpt"][0](), config=cfg)
+    for i in range(2):
+        engine.backward(MODELS["gpt"][1](engine, _batch(i, rank, 2)))
+        engine.step()
+    engine.save_checkpoint(save_dir, client_state={"epoch": 7, "cursor": [1, 2]})
+    torch.manual_seed(0)
+    fresh, *_ = zfunc.initialize(model=MODELS["gpt"][0](), config=cfg)
+    path, client = fresh.load_checkpoint(save_dir)
+    same = bitwise_equal(snapshot(engine.state), snapshot(fresh.state))
+    return os.path.basename(path), client, same, fresh.global_steps, fresh.micro_steps
+
+
+def test_engine_checkpoint_tags_latest_and_client_state(tmp_path):
+    for tag, client, same, steps, micro in run_ranks(_engine_round_trip, 2, str(tmp_path)):
+        assert tag == "global_step2" and client == {"epoch": 7, "cursor": [1, 2]}
+        assert same and steps == 2 and micro == 2
+    assert open(tmp_path / "latest").read() == "global_step2"
+    engine, *_ = zfunc.initialize(model=MODELS["gpt"][0](), config={"train_batch_size": 2})
+    assert engine.load_checkpoint(str(tmp_path / "nothing")) == (None, None)
+
+
+@pytest.mark.timeout(300)
+def test_elastic_restart_under_torchrun_resumes_bitwise(tmp_path):
+    script = os.path.join(os.path.dirname(__file__), "elastic_job.py")
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONPATH": os.getcwd()}
+    runs = {}
+    for name, fail_at in (("straight", -1), ("restarted", 3)):
+        out = tmp_path / name
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "--max-restarts", "1", script, str(out), str(fail_at)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        runs[name] = [torch.load(out / f"final-{r}.pt") for r in range(2)]
+        if fail_at > 0:
+            assert (out / "attempt-1").exists(), "rank 1 did not fail and restart"
+    for a, b in zip(runs["straight"], runs["restarted"]):
+        assert bitwise_equal(a, b)
