@@ -37,19 +37,28 @@ def test_pure_without_donation_identical_with_it():
                 assert reused, f"stage {stage} world {world} rank {rank}: donation copied the optimizer state"
 
 
-def _memory(rank: int, stage: int) -> tuple[dict, int, int]:
+def _memory(rank: int, stage: int) -> tuple[dict, int, int, dict, dict, dict]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(30, 31), torch.nn.Linear(31, 5))  # 1121 params
-    state = zfunc.init(model, zfunc.Config(stage=stage))
-    return zfunc.memory_report(state), state.layout.numel, state.layout.full_numel
+    cfg = zfunc.Config(stage=stage, persist_threshold=0, units=["0", "1"])
+    plan = zfunc.memory_plan(model, cfg, zfunc.comm.world().size)
+    bf16 = cfg.replace(precision="bf16", master_dtype=torch.bfloat16, moment_dtype=torch.bfloat16)
+    bf16_plan = zfunc.memory_plan(model, bf16, zfunc.comm.world().size)
+    state = zfunc.init(model, cfg)
+    torch.manual_seed(0)
+    bf16_report = zfunc.memory_report(zfunc.init(
+        torch.nn.Sequential(torch.nn.Linear(30, 31), torch.nn.Linear(31, 5)), bf16))
+    return zfunc.memory_report(state), state.layout.numel, state.layout.full_numel, plan, bf16_plan, bf16_report
 
 
 def test_memory_report_follows_the_zero_formula():
     for world in (1, 2, 3):
         for stage in (0, 1, 2, 3):
-            for rep, numel, padded in run_ranks(_memory, world, stage):
+            for rep, numel, padded, plan, bf16_plan, bf16_report in run_ranks(_memory, world, stage):
+                assert rep == plan and bf16_plan == bf16_report  # the plan is what init allocates
                 assert numel == 1121
-                assert padded % (world * 4) == 0 and padded - numel < world * 4
+                units = 1 if stage < 3 else 2  # each unit is padded to a multiple of world * 4
+                assert padded % (world * 4) == 0 and padded - numel < units * world * 4
                 shard = padded // world
                 # fp32: 4 bytes per element; params always full at stages 0-2 (master aliases it).
                 params = 4 * (shard if stage == 3 else padded)

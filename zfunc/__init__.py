@@ -32,6 +32,7 @@ from zfunc.state import Metrics as Metrics
 from zfunc.state import TrainState as TrainState
 from zfunc.state import full_params as full_params
 from zfunc.state import init as init
+from zfunc.state import memory_plan as memory_plan
 from zfunc.state import memory_report as memory_report
 from zfunc.train import train_step as train_step
 from zfunc.update import apply_step as apply_step
@@ -64,6 +65,7 @@ __all__ = [
     "launch",
     "learning_rate",
     "load",
+    "memory_plan",
     "memory_report",
     "save",
     "schedules",

@@ -12,7 +12,8 @@ non-scalar backward with a user-given gradient is scaled too, and models compose
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+import copy
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -43,12 +44,27 @@ class _ScaleCotangent(torch.autograd.Function):
         return grad * factor.to(grad.dtype), None
 
 
-def _scale_tree(x: Any, factor: torch.Tensor) -> Any:
+def _scale_tree(x: Any, factor: torch.Tensor) -> tuple[Any, int]:
+    """``x`` with every differentiable tensor passed through `_ScaleCotangent`, and their count.
+
+    Mappings optree does not know (e.g. Hugging Face's ``ModelOutput``) are copied with their
+    values scaled, so their gradients are scaled too.
+    """
+    count = 0
+
     def scale(t: Any) -> Any:
+        nonlocal count
         if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point():
+            count += 1
             return _ScaleCotangent.apply(t, factor)
+        if isinstance(t, Mapping) and not isinstance(t, torch.Tensor):
+            out = copy.copy(t)
+            for k in list(t.keys()):
+                out[k] = tree.map(scale, t[k])
+            return out
         return t
-    return tree.map(scale, x)
+
+    return tree.map(scale, x), count
 
 
 def _cast_floats(x: Any, dtype: torch.dtype) -> Any:
@@ -104,12 +120,18 @@ def bind(state: TrainState, sinks: Sequence[torch.Tensor]) -> Callable[..., Any]
             # Like FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True): a low-precision model
             # takes its floating-point inputs in its own dtype.
             args, kwargs = _cast_floats((args, kwargs), cfg.compute_dtype)
-        args, kwargs = _scale_tree((args, kwargs), 1 / factor)
+        (args, kwargs), _ = _scale_tree((args, kwargs), 1 / factor)
         ctx = (torch.autocast(state.device.type, dtype=cfg.autocast) if cfg.autocast
                else contextlib.nullcontext())
         with ctx, hooks:
             out = functional_call(state.module, tensors, args, kwargs, tie_weights=True, strict=False)
-        return _scale_tree(out, factor)
+        scaled, count = _scale_tree(out, factor)
+        if count == 0 and torch.is_grad_enabled():
+            raise TypeError(
+                f"zfunc found no differentiable tensor in the model's output (a {type(out).__name__}) to "
+                "attach the loss scale and 1/(grad_accum * world) to; return tensors, or tuples, lists, "
+                "dicts or dataclasses registered with zfunc.tree")
+        return scaled
 
     return model
 

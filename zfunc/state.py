@@ -18,7 +18,7 @@ from zfunc.gather import install_hooks
 from zfunc.layout import Layout, make_layout
 from zfunc.scaler import ScalerState, scaler_init
 
-__all__ = ["TrainState", "AdamState", "Metrics", "init", "full_params", "memory_report"]
+__all__ = ["TrainState", "AdamState", "Metrics", "init", "full_params", "memory_report", "memory_plan"]
 
 
 @dataclass(frozen=True)
@@ -306,3 +306,33 @@ def memory_report(state: TrainState) -> dict[str, int]:
            "optimizer": nbytes(state.opt.mu) + nbytes(state.opt.nu)}
     rep["total"] = sum(rep.values())
     return rep
+
+
+def memory_plan(model: torch.nn.Module, cfg: Config, world_size: int) -> dict[str, int]:
+    """The bytes `memory_report` will show on each rank, computed from shapes alone.
+
+    Nothing is allocated and no process group is needed, so any world size can be planned
+    (call it before `init`: stage 3 frees the module's own parameters).
+
+    Examples:
+        >>> import torch, zfunc
+        >>> model = torch.nn.Linear(1000, 1000)                      # 1,001,000 parameters
+        >>> for stage in range(4):
+        ...     plan = zfunc.memory_plan(model, zfunc.Config(stage=stage), world_size=8)
+        ...     print(stage, round(plan["total"] / 2**20, 2), "MiB per rank")
+        0 15.27 MiB per rank
+        1 8.59 MiB per rank
+        2 5.25 MiB per rank
+        3 1.91 MiB per rank
+    """
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    units, names = _units(model, cfg, trainable)
+    lay = make_layout(units, world=world_size, rank=0, align=cfg.align, names=names)
+    size = lambda dt: torch.empty((), dtype=dt).element_size()  # noqa: E731
+    opt_numel = lay.full_numel if cfg.stage == 0 else lay.arena_numel
+    compute = (lay.arena_numel if cfg.stage == 3 else lay.full_numel) * size(cfg.compute_dtype)
+    master = 0 if cfg.compute_dtype == cfg.master_dtype else opt_numel * size(cfg.master_dtype)
+    grads = (lay.full_numel if cfg.stage < 2 else lay.arena_numel) * size(cfg.grad_accum_dtype)
+    plan = {"params": compute + master, "grads": grads, "optimizer": 2 * opt_numel * size(cfg.moment_dtype)}
+    plan["total"] = sum(plan.values())
+    return plan
