@@ -116,7 +116,17 @@ def assert_close_dtype(actual: torch.Tensor, expected64: torch.Tensor, what: str
     )
 
 
-def check_against_f64(backend: str, master, grad, moment, compute, *, decoupled: bool, steps: int = 3, n: int = 1000) -> None:
+def check_against_f64(
+    backend: str,
+    master: torch.dtype,
+    grad: torch.dtype,
+    moment: torch.dtype,
+    compute: torch.dtype | None,
+    *,
+    decoupled: bool,
+    steps: int = 3,
+    n: int = 1000,
+) -> None:
     """Runs ``steps`` kernel steps; after each, compares with one float64 step from the same state."""
     s = make_state(n, master, grad, moment, seed=n)
     if compute is not None:
@@ -153,10 +163,13 @@ def torch_fused(dtype: torch.dtype, *, decoupled: bool, steps: int, n: int) -> t
         opt.step()
         zfunc_kernels.fused_adam(**s, **sc, **HYPER, weight_decay=0.1, decoupled=decoupled, backend="cpu")
     st = opt.state[param]
-    return {**s, "step": sc["step"]}, {"master": param.detach(), "mu": st["exp_avg"], "nu": st["exp_avg_sq"]}, float(st["step"])
+    theirs = {"master": param.detach(), "mu": st["exp_avg"], "nu": st["exp_avg_sq"]}
+    return {**s, "step": sc["step"]}, theirs, float(st["step"])
 
 
-def check_overflow_sumsq(backend: str, dtype: torch.dtype, n: int, special: float | None, twice: bool = True) -> None:
+def check_overflow_sumsq(
+    backend: str, dtype: torch.dtype, n: int, special: float | None, twice: bool = True
+) -> None:
     x = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3).to(dtype)
     if special is not None and n:
         x[n // 2] = special
@@ -242,7 +255,9 @@ if pytest is not None:
         for key in ("master", "mu", "nu", "compute"):
             assert same_bits(a[key], b[key]), key
 
-    @pytest.mark.parametrize("special", [None, math.nan, math.inf, -math.inf], ids=["finite", "nan", "inf", "-inf"])
+    SPECIALS = [None, math.nan, math.inf, -math.inf]
+
+    @pytest.mark.parametrize("special", SPECIALS, ids=["finite", "nan", "inf", "-inf"])
     @pytest.mark.parametrize("n", [0, 1, 7, 1001, 3 * 16384 + 5])
     @pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=["fp32", "bf16", "fp16"])
     @pytest.mark.parametrize("backend", ["cpu", "torch"])
@@ -280,8 +295,9 @@ if pytest is not None:
         gen = torch.Generator().manual_seed(1)
         pattern = torch.randint(-(2**31), 2**31, (1 << 18,), generator=gen, dtype=torch.int64)
         x = pattern.to(torch.int32).view(F32)
-        edges = [65504.0, 65519.996, 65520.0, 2.0**-14, 2.0**-24, 2.0**-25, 2.0**-25 * 1.5, 1 + 2**-8, 1 + 3 * 2**-8]
-        x = torch.cat([x, torch.tensor(edges), -torch.tensor(edges), torch.tensor([math.inf, -math.inf, math.nan])])
+        edges = [65504.0, 65519.996, 65520.0, 2.0**-14, 2.0**-24, 2.0**-25, 1.5 * 2**-25]
+        edges = torch.tensor(edges + [1 + 2**-8, 1 + 3 * 2**-8])  # the last two: bf16 ties
+        x = torch.cat([x, edges, -edges, torch.tensor([math.inf, -math.inf, math.nan])])
         x = torch.cat([x, x * (1 + 2**-11), x * (1 - 2**-12)])
         encoded = torch.empty(x.numel(), dtype=fmt)
         _cpu.convert_kernel(_adapt.as_numpy(x), _adapt.as_numpy(encoded))
@@ -298,7 +314,8 @@ if pytest is not None:
         with pytest.raises(ValueError):
             zfunc_kernels.fused_adam(**{**s, "grad": s["grad"][:4]}, **sc, **HYPER, weight_decay=0.0)
         with pytest.raises(ValueError):
-            zfunc_kernels.fused_adam(**s, **{**sc, "lr": torch.tensor(0.1, dtype=torch.float64)}, **HYPER, weight_decay=0.0)
+            bad_lr = {**sc, "lr": torch.tensor(0.1, dtype=torch.float64)}
+            zfunc_kernels.fused_adam(**s, **bad_lr, **HYPER, weight_decay=0.0)
         with pytest.raises(ValueError):
             zfunc_kernels.fused_adam(**s, **sc, **HYPER, weight_decay=0.0, backend="tpu")
         with pytest.raises(RuntimeError):
@@ -351,7 +368,8 @@ if pytest is not None:
             if case[3] is not None:
                 s["compute"] = torch.empty(100_003, dtype=case[3])
             d = {k: v.cuda() for k, v in s.items()}
-            sc, dc = scalars(inv_scale=0.5, clip=0.7), {k: v.cuda() for k, v in scalars(inv_scale=0.5, clip=0.7).items()}
+            sc = scalars(inv_scale=0.5, clip=0.7)
+            dc = {k: v.cuda() for k, v in scalars(inv_scale=0.5, clip=0.7).items()}
             zfunc_kernels.fused_adam(**s, **sc, **HYPER, weight_decay=0.1)
             zfunc_kernels.fused_adam(**d, **dc, **HYPER, weight_decay=0.1)
             for key in s:

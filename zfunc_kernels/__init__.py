@@ -1,0 +1,248 @@
+"""Fused kernels for zfunc: sharded Adam/AdamW and one-pass overflow detection.
+
+Two public kernels, each with four implementations of the same math
+(:mod:`zfunc_kernels._math`, written once, with the 16-bit codecs of
+:mod:`zfunc_kernels._codec`):
+
+* ``"cpu"``: ``numba.njit(parallel=True)`` over torch's CPU threads,
+* ``"cuda"``: ``numba.cuda`` on torch's current stream,
+* ``"sim"``: the CUDA kernels in numba's simulator (``NUMBA_ENABLE_CUDASIM=1``; tests only),
+* ``"torch"``: a plain-torch reference, always available.
+
+With ``backend=None`` the tensors' device decides: CPU tensors use ``"cpu"``, CUDA tensors
+use ``"cuda"`` when :func:`backend` found numba's CUDA target working, else ``"torch"``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from types import ModuleType
+
+import torch
+
+from zfunc_kernels import _reference
+
+__all__ = [
+    "backend",
+    "fused_adam",
+    "overflow_sumsq",
+]
+
+__version__ = "0.1.0"
+
+_MASTER = (torch.float32, torch.bfloat16, torch.float16)
+_MOMENT = (torch.float32, torch.bfloat16)
+_BACKENDS = ("torch", "cpu", "cuda", "sim")
+
+
+@functools.cache
+def backend() -> str:
+    """Names the accelerator backend of this process; probed once, then cached.
+
+    Returns:
+        ``"sim"`` when ``NUMBA_ENABLE_CUDASIM=1`` (numba's CUDA target is then the simulator),
+        ``"cuda"`` when torch sees a GPU and ``numba.cuda`` can use it, else ``"cpu"``.
+
+    Examples:
+        >>> backend() in ("cpu", "cuda", "sim")
+        True
+    """
+    if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1":
+        return "sim"
+    if torch.cuda.is_available():
+        try:
+            from numba import cuda
+
+            if cuda.is_available():
+                return "cuda"
+        except Exception:  # noqa: BLE001 - any failure means "no usable numba.cuda"
+            pass
+    return "cpu"
+
+
+def _resolve(name: str | None, t: torch.Tensor) -> str:
+    if name is None:
+        if t.device.type == "cpu":
+            return "cpu"
+        if t.device.type == "cuda" and backend() == "cuda":
+            return "cuda"
+        return "torch"
+    if name not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS} or None, got {name!r}")
+    return name
+
+
+def _impl(name: str) -> ModuleType:
+    if name == "torch":
+        return _reference
+    if name == "cpu":
+        from zfunc_kernels import _cpu
+
+        return _cpu
+    if backend() != name:
+        raise RuntimeError(
+            f"backend {name!r} is not available here (backend() == {backend()!r}); the "
+            "simulator needs NUMBA_ENABLE_CUDASIM=1 in the environment before numba is imported"
+        )
+    from zfunc_kernels import _cuda
+
+    return _cuda
+
+
+def _check_vector(name: str, t: torch.Tensor, dtypes: tuple, n: int, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous 1-D tensor")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} has dtype {t.dtype}; expected one of {dtypes}")
+    if t.numel() != n or t.device != device:
+        raise ValueError(f"{name} must have {n} elements on {device}")
+
+
+def _check_scalar(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != 0 or t.dtype != dtype or t.device != device:
+        raise ValueError(f"{name} must be a 0-dim {dtype} tensor on {device}")
+
+
+def fused_adam(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    mu: torch.Tensor,
+    nu: torch.Tensor,
+    *,
+    step: torch.Tensor,
+    lr: torch.Tensor,
+    inv_scale: torch.Tensor,
+    clip_coef: torch.Tensor,
+    found_inf: torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool = True,
+    compute: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> None:
+    r"""Unscales, clips and applies one Adam/AdamW step in a single in-place pass.
+
+    With ``t = step + 1`` and all arithmetic in float32 (the bias corrections in float64):
+
+    .. math::
+
+        g &= \mathrm{grad} \cdot \mathrm{inv\_scale} \cdot \mathrm{clip\_coef}
+             \;(+\,\mathrm{wd}\cdot p \text{ if not decoupled}) \\
+        m &\leftarrow \mathrm{lerp}(m, g, 1-\beta_1), \quad
+        v \leftarrow \beta_2 v + (1-\beta_2) g^2 \\
+        p &\leftarrow p\,(1 - \mathrm{lr}\cdot\mathrm{wd} \text{ if decoupled})
+             - \frac{\mathrm{lr}}{1-\beta_1^t}\,\frac{m}{\sqrt{v}/\sqrt{1-\beta_2^t} + \epsilon}
+
+    in the operation order of ``torch.optim.AdamW(fused=True)`` on CPU (fp32 results are
+    bitwise equal to its vectorised loop). ``master``, ``mu``, ``nu`` (and ``compute``, which
+    receives the new ``master`` cast to its dtype) are rounded to nearest even on store, and
+    ``step`` is incremented. If ``found_inf != 0`` nothing is written and ``step`` is left
+    alone, like ``torch.optim.Adam(fused=True)`` under a ``GradScaler``. Scalars stay on the
+    device: on a GPU nothing waits for the host. The vectors must not overlap in memory.
+
+    Args:
+        master: 1-D contiguous master weights (float32, bfloat16 or float16), updated.
+        grad: Gradient, same length and device (float32, bfloat16 or float16); read only.
+        mu: First moment (float32 or bfloat16), updated.
+        nu: Second moment (float32 or bfloat16), updated.
+        step: 0-dim int64, updates applied so far; incremented unless ``found_inf``.
+        lr: 0-dim float32 learning rate.
+        inv_scale: 0-dim float32, ``1 / loss_scale``.
+        clip_coef: 0-dim float32 gradient-clipping factor (1 for none).
+        found_inf: 0-dim float32; nonzero skips the whole step.
+        beta1: First-moment decay.
+        beta2: Second-moment decay.
+        eps: Denominator epsilon.
+        weight_decay: Weight decay.
+        decoupled: ``True`` for AdamW (``p *= 1 - lr * wd``), ``False`` for Adam
+            (``g += wd * p``). Defaults to ``True``.
+        compute: Optional 1-D float32/bfloat16/float16 tensor receiving the updated
+            ``master`` in its dtype. Defaults to ``None``.
+        backend: ``None`` (by device), ``"cpu"``, ``"cuda"``, ``"sim"`` or ``"torch"``.
+
+    Raises:
+        TypeError: A vector has an unsupported dtype.
+        ValueError: A wrong shape, length, device or scalar, or an unknown backend.
+        RuntimeError: The requested backend is not available in this process.
+
+    Examples:
+        >>> import torch, zfunc_kernels
+        >>> p = torch.tensor([1.0, -1.0]); g = torch.tensor([0.5, 0.5])
+        >>> mu, nu = torch.zeros(2), torch.zeros(2)
+        >>> step, bf = torch.tensor(0), torch.empty(2, dtype=torch.bfloat16)
+        >>> kw = dict(step=step, lr=torch.tensor(0.1), inv_scale=torch.tensor(0.5),
+        ...           clip_coef=torch.tensor(1.0), found_inf=torch.tensor(0.0),
+        ...           beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+        >>> for _ in range(3):
+        ...     zfunc_kernels.fused_adam(p, g, mu, nu, compute=bf, **kw)
+        >>> [round(x, 4) for x in p.tolist()], bf.tolist(), int(step)
+        ([0.7, -1.3], [0.69921875, -1.296875], 3)
+        >>> kw["found_inf"] = torch.tensor(1.0)
+        >>> zfunc_kernels.fused_adam(p, g, mu, nu, compute=bf, **kw)
+        >>> [round(x, 4) for x in p.tolist()], int(step)
+        ([0.7, -1.3], 3)
+
+    References:
+        Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019.
+    """
+    n, dev = master.numel(), master.device
+    _check_vector("master", master, _MASTER, n, dev)
+    _check_vector("grad", grad, _MASTER, n, dev)
+    _check_vector("mu", mu, _MOMENT, n, dev)
+    _check_vector("nu", nu, _MOMENT, n, dev)
+    if compute is not None:
+        _check_vector("compute", compute, _MASTER, n, dev)
+    _check_scalar("step", step, torch.int64, dev)
+    for name, s in (("lr", lr), ("inv_scale", inv_scale), ("clip_coef", clip_coef)):
+        _check_scalar(name, s, torch.float32, dev)
+    _check_scalar("found_inf", found_inf, torch.float32, dev)
+    impl = _impl(_resolve(backend, master))
+    impl.fused_adam(
+        master, grad, mu, nu, compute, step, lr, inv_scale, clip_coef, found_inf,
+        float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled),
+    )  # fmt: skip
+    if impl is not _reference:  # kernels write behind autograd's back: tell it, as torch ops do
+        for t in (master, mu, nu, step) if compute is None else (master, mu, nu, step, compute):
+            torch.autograd.graph.increment_version(t)
+
+
+def overflow_sumsq(
+    x: torch.Tensor, *, out: torch.Tensor | None = None, backend: str | None = None
+) -> torch.Tensor:
+    """Detects NaN/Inf and sums squares in one read-only pass.
+
+    Deterministic: fixed blocks accumulate in float64 and the block partials are added in a
+    fixed order, so equal inputs give equal bytes whatever the thread count or scheduling. No
+    floating-point atomics and no parameter-sized temporaries. Squares of float32 values
+    cannot overflow float64, so the float64 total is finite exactly when every element is;
+    that is the overflow test. ``sumsq`` is rounded to float32 (it may round to ``inf`` for
+    huge finite inputs; it is ``inf``/``nan`` when ``found_inf`` is set).
+
+    Args:
+        x: 1-D contiguous float32, bfloat16 or float16 tensor.
+        out: Optional float32 tensor of shape ``(2,)`` on ``x``'s device to write into.
+        backend: ``None`` (by device), ``"cpu"``, ``"cuda"``, ``"sim"`` or ``"torch"``.
+
+    Returns:
+        ``out`` (or a new tensor): ``[found_inf, sumsq]``, ``found_inf`` being 1.0 if any
+        element is NaN or infinite else 0.0. Summing it across ranks keeps both meanings.
+
+    Examples:
+        >>> import torch, zfunc_kernels
+        >>> zfunc_kernels.overflow_sumsq(torch.tensor([3.0, 4.0])).tolist()
+        [0.0, 25.0]
+        >>> zfunc_kernels.overflow_sumsq(torch.tensor([1.0, float("nan")]))[0].item()
+        1.0
+    """
+    _check_vector("x", x, _MASTER, x.numel(), x.device)
+    if out is None:
+        out = torch.empty(2, dtype=torch.float32, device=x.device)
+    elif out.shape != (2,) or out.dtype != torch.float32 or out.device != x.device:
+        raise ValueError(f"out must be a float32 tensor of shape (2,) on {x.device}")
+    elif not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+    _impl(_resolve(backend, x)).overflow_sumsq(x, out)
+    return out

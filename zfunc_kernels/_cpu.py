@@ -1,0 +1,262 @@
+"""CPU backend: the shared math compiled by ``numba.njit(parallel=True)``.
+
+torch CPU tensors reach the kernels as zero-copy numpy views: float32 as ``float32``,
+bfloat16 as ``int16`` bits and float16 as ``uint16`` bits (the tag convention of
+:mod:`zfunc_kernels._codec`). Work is split into fixed blocks of :data:`BLOCK` elements handed
+to ``prange``; the block grid depends on the length only, never on the thread count, which
+makes the sum-of-squares partials (and so its result) identical for any number of threads.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numba
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import prange
+from numba.core import types
+from numba.core.extending import intrinsic, overload
+
+from zfunc_kernels import _shared
+from zfunc_kernels._adapt import as_numpy
+from zfunc_kernels._cache import track_shared_math
+from zfunc_kernels._codec import load, quantize, store
+from zfunc_kernels._math import adam_constants, adam_element, square64
+
+BLOCK = 1 << 14
+"""Elements per parallel work item: 64 KiB of each float32 stream, sized for L2."""
+LANES = 256
+"""Independent float64 accumulators per block in the sum of squares. Lane ``j`` adds the
+elements ``j, j + LANES, ...`` in order; the lanes are then combined pairwise. This order is
+fixed by the code, not by the compiler or the machine, and the lane loop vectorises (numba
+leaves LLVM's SLP vectoriser off, so a few hand-unrolled accumulators would stay scalar)."""
+
+track_shared_math()
+
+_BLOCK_OPTS = dict(fastmath=False, error_model="numpy")
+_NJIT = dict(parallel=True, cache=True, nogil=True, **_BLOCK_OPTS)
+
+# --------------------------------------------------------------------------- primitives
+
+
+@intrinsic
+def _bitcast_f32_u32(typingctx: Any, x: Any) -> Any:
+    if x != types.float32:
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def _bitcast_u32_f32(typingctx: Any, u: Any) -> Any:
+    if u != types.uint32:
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def _llvm_fma_f32(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
+    if not (a == b == c == types.float32):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.fma(*args)
+
+    return types.float32(types.float32, types.float32, types.float32), codegen
+
+
+@overload(_shared.f32_to_bits, target="cpu", strict=False, inline="never")
+def _f32_to_bits_cpu(x: Any) -> Any:
+    return lambda x: np.int64(_bitcast_f32_u32(np.float32(x)))
+
+
+@overload(_shared.bits_to_f32, target="cpu", strict=False, inline="never")
+def _bits_to_f32_cpu(u: Any) -> Any:
+    return lambda u: _bitcast_u32_f32(np.uint32(u & 0xFFFFFFFF))
+
+
+@overload(_shared.fma32, target="cpu", strict=False, inline="never")
+def _fma32_cpu(a: Any, b: Any, c: Any) -> Any:
+    return lambda a, b, c: _llvm_fma_f32(np.float32(a), np.float32(b), np.float32(c))
+
+
+# --------------------------------------------------------------------------- kernels
+# Each parallel work item takes slices of one block, so the inner loops index from 0: numba
+# then drops its negative-index wraparound and LLVM vectorises them.
+
+
+@numba.njit(inline="never", **_BLOCK_OPTS)
+def _adam_block(
+    master: Any, grad: Any, mu: Any, nu: Any, compute: Any, inv: Any, clip: Any, c: tuple
+) -> None:  # pragma: no cover - compiled
+    decay, l2, lerp_w, lerp_small, beta2, c2, bc2_sqrt, eps, neg_step = c
+    for i in range(master.size):
+        g = load(grad, i) * inv * clip
+        p, m, v = adam_element(
+            load(master, i), g, load(mu, i), load(nu, i),
+            decay, l2, lerp_w, lerp_small, beta2, c2, bc2_sqrt, eps, neg_step,
+        )
+        store(master, i, p)
+        store(mu, i, m)
+        store(nu, i, v)
+        if compute is not None:
+            store(compute, i, quantize(master, p))
+
+
+@numba.njit(**_NJIT)
+def adam_kernel(
+    master: Any,
+    grad: Any,
+    mu: Any,
+    nu: Any,
+    compute: Any,
+    step: Any,
+    lr: Any,
+    inv_scale: Any,
+    clip_coef: Any,
+    found_inf: Any,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+) -> None:  # pragma: no cover - compiled
+    """Fused unscale + clip + Adam/AdamW + compute cast over 1-D storage arrays, in place."""
+    if found_inf[0] != np.float32(0.0):
+        return
+    c = adam_constants(step[0], lr[0], beta1, beta2, eps, weight_decay, decoupled)
+    inv = np.float32(inv_scale[0])
+    clip = np.float32(clip_coef[0])
+    n = master.size
+    for b in prange((n + BLOCK - 1) // BLOCK):
+        lo = b * BLOCK
+        hi = min(lo + BLOCK, n)
+        if compute is None:
+            _adam_block(master[lo:hi], grad[lo:hi], mu[lo:hi], nu[lo:hi], None, inv, clip, c)
+        else:
+            _adam_block(
+                master[lo:hi], grad[lo:hi], mu[lo:hi], nu[lo:hi], compute[lo:hi], inv, clip, c
+            )
+    step[0] += 1
+
+
+@numba.njit(inline="never", **_BLOCK_OPTS)
+def _sumsq_block(x: Any) -> float:  # pragma: no cover - compiled
+    """Sum of squares of one block: :data:`LANES` float64 lanes (lane ``j`` takes the elements
+    ``i % LANES == j`` in order), then a fixed pairwise combination."""
+    acc = np.zeros(LANES, np.float64)
+    n = x.size
+    full = n - n % LANES
+    for r in range(full // LANES):
+        row = x[r * LANES : (r + 1) * LANES]
+        for j in range(LANES):  # an elementwise loop over lanes: LLVM vectorises it
+            acc[j] += square64(load(row, j))
+    for i in range(full, n):
+        acc[i - full] += square64(load(x, i))
+    width = LANES // 2
+    while width > 0:
+        for j in range(width):
+            acc[j] += acc[j + width]
+        width //= 2
+    return acc[0]
+
+
+@numba.njit(**_NJIT)
+def sumsq_kernel(x: Any, out: Any) -> None:  # pragma: no cover - compiled
+    """``out[:] = [found_inf, sum(x**2)]`` with per-block float64 partials in fixed order."""
+    n = x.size
+    nblocks = (n + BLOCK - 1) // BLOCK
+    partial = np.empty(nblocks, np.float64)
+    for b in prange(nblocks):
+        partial[b] = _sumsq_block(x[b * BLOCK : min(b * BLOCK + BLOCK, n)])
+    total = 0.0
+    for b in range(nblocks):
+        total += partial[b]
+    # Squares of finite float32 values cannot overflow float64, so the sum is finite
+    # exactly when every element is.
+    out[0] = np.float32(0.0) if math.isfinite(total) else np.float32(1.0)
+    out[1] = np.float32(total)
+
+
+@numba.njit(inline="never", **_BLOCK_OPTS)
+def _convert_block(src: Any, dst: Any) -> None:  # pragma: no cover - compiled
+    for i in range(src.size):
+        store(dst, i, load(src, i))
+
+
+@numba.njit(cache=True, **_BLOCK_OPTS)
+def convert_kernel(src: Any, dst: Any) -> None:  # pragma: no cover - compiled
+    """``dst[i] = src[i]`` between storage formats (round to nearest even); serial, for tests."""
+    _convert_block(src, dst)
+
+
+# --------------------------------------------------------------------------- torch entry points
+
+
+def set_threads() -> None:
+    """Makes numba use torch's intra-op thread count (capped by numba's pool).
+
+    Examples:
+        >>> set_threads(); numba.get_num_threads() <= numba.config.NUMBA_NUM_THREADS
+        True
+    """
+    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+
+
+def fused_adam(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    mu: torch.Tensor,
+    nu: torch.Tensor,
+    compute: torch.Tensor | None,
+    step: torch.Tensor,
+    lr: torch.Tensor,
+    inv_scale: torch.Tensor,
+    clip_coef: torch.Tensor,
+    found_inf: torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+) -> None:
+    """Runs :func:`adam_kernel` on CPU tensors (arguments as in ``zfunc_kernels.fused_adam``).
+
+    Examples:
+        >>> p, g = torch.ones(3), torch.full((3,), 2.0)
+        >>> m, v, s = torch.zeros(3), torch.zeros(3), torch.tensor(0)
+        >>> one, zero = torch.tensor(1.0), torch.tensor(0.0)
+        >>> fused_adam(p, g, m, v, None, s, torch.tensor(0.5), one, one, zero,
+        ...            0.9, 0.999, 1e-8, 0.0, True)
+        >>> p.tolist(), int(s)
+        ([0.5, 0.5, 0.5], 1)
+    """
+    set_threads()
+    a = as_numpy
+    adam_kernel(
+        a(master), a(grad), a(mu), a(nu), None if compute is None else a(compute),
+        a(step), a(lr), a(inv_scale), a(clip_coef), a(found_inf),
+        float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled),
+    )  # fmt: skip
+
+
+def overflow_sumsq(x: torch.Tensor, out: torch.Tensor) -> None:
+    """Runs :func:`sumsq_kernel` on a CPU tensor, writing ``[found_inf, sumsq]`` into ``out``.
+
+    Examples:
+        >>> out = torch.empty(2)
+        >>> overflow_sumsq(torch.tensor([3.0, 4.0], dtype=torch.bfloat16), out); out.tolist()
+        [0.0, 25.0]
+    """
+    set_threads()
+    sumsq_kernel(as_numpy(x), as_numpy(out))
