@@ -1,7 +1,7 @@
 """Benchmark of zfunc's optimizer phase against the torch composition doing the same work.
 
-For each size and thread count it times (median of ``--repeats`` after warm-up; zfunc and
-torch runs are interleaved so both see the same machine load):
+For each size and thread count it times (median and minimum of ``--repeats`` after warm-up,
+with ``time.perf_counter``; zfunc and torch runs alternate so both see the same machine load):
 
 (a) zfunc's whole optimizer phase: ``overflow_sumsq`` over the scaled gradient, a clip
     coefficient from it (device ops), then ``fused_adam`` with unscale, clip, AdamW and the
@@ -15,13 +15,14 @@ torch runs are interleaved so both see the same machine load):
 
 Effective GB/s divide the bytes the task must move by the time: 28 B/param for an Adam step,
 34 B/param for the phase (4 to read the gradient for its norm, 28 for Adam, 2 for the bf16
-copy), the same numerator for zfunc and torch. Gradients are restored from a copy before every
-timed run (untimed), so unscaling never drives them into subnormals.
+copy), the same numerator for zfunc and torch. Gradients are restored from a copy before each
+timed phase (untimed), so unscaling never drives them into subnormals. The thread count is
+torch's (``torch.set_num_threads``), which ``zfunc_kernels`` passes on to numba.
 
 Usage::
 
-    python benchmarks/optimizer.py [--sizes 10M,50M] [--threads 1,2] [--repeats 10]
-                                   [--device cpu|cuda]
+    PYTHONPATH=. python benchmarks/optimizer.py [--sizes 10M,50M] [--threads 1,2]
+                                                [--repeats 10] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -231,7 +232,8 @@ def main() -> None:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
         f"# machine: {platform.machine()}, {os.cpu_count()} cores, load average {load:.2f}; "
-        f"torch {torch.__version__}, numba {numba.__version__}; device {args.device}; "
+        f"torch {torch.__version__}, numba {numba.__version__}; device {args.device} "
+        f"(zfunc_kernels backend {zfunc_kernels.backend() if args.device == 'cuda' else 'cpu'}); "
         f"{args.repeats} repeats"
     )
     if args.device == "cuda":

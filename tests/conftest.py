@@ -9,6 +9,8 @@ import pytest  # noqa: E402
 
 from tests.helpers import close_worlds  # noqa: E402
 
+collect_ignore = ["elastic_job.py"]  # a script torchrun runs, not a test module
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _close_worlds():

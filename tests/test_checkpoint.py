@@ -185,7 +185,7 @@ def test_engine_checkpoint_tags_latest_and_client_state(tmp_path):
     for tag, client, same, steps, micro in run_ranks(_engine_round_trip, 2, str(tmp_path)):
         assert tag == "global_step2" and client == {"epoch": 7, "cursor": [1, 2]}
         assert same and steps == 2 and micro == 2
-    assert open(tmp_path / "latest").read() == "global_step2"
+    assert (tmp_path / "latest").read_text() == "global_step2"
     engine, *_ = zfunc.initialize(model=MODELS["gpt"][0](), config={"train_batch_size": 2})
     assert engine.load_checkpoint(str(tmp_path / "nothing")) == (None, None)
 

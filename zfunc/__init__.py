@@ -23,6 +23,8 @@ from zfunc.config import DynamicLossScale as DynamicLossScale
 from zfunc.config import adam as adam
 from zfunc.config import adamw as adamw
 from zfunc.engine import Engine as Engine
+from zfunc.engine import add_config_arguments as add_config_arguments
+from zfunc.engine import init_distributed as init_distributed
 from zfunc.engine import initialize as initialize
 from zfunc.launch import World as World
 from zfunc.launch import launch as launch
@@ -54,6 +56,7 @@ __all__ = [
     "World",
     "accumulate",
     "adam",
+    "add_config_arguments",
     "adamw",
     "apply_step",
     "backward_step",
@@ -61,6 +64,7 @@ __all__ = [
     "export",
     "full_params",
     "init",
+    "init_distributed",
     "initialize",
     "launch",
     "learning_rate",

@@ -35,7 +35,16 @@ _ROLES = ("master", "mu", "nu")
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint cannot be written or does not fit the state it is loaded into."""
+    """A checkpoint cannot be written or does not fit the state it is loaded into.
+
+    Examples:
+        >>> import tempfile, zfunc
+        >>> try:
+        ...     zfunc.load(tempfile.mkdtemp(), like=None)
+        ... except zfunc.CheckpointError as e:
+        ...     print(str(e).split(": ", 1)[1][:40])
+        not a complete zfunc checkpoint (no COMP
+    """
 
 
 def _dcp_kwargs(group: comm.Group) -> dict[str, Any]:

@@ -128,6 +128,8 @@ class DynamicLossScale:
         _check(_positive_int(self.hysteresis), "loss_scale.hysteresis", "a positive integer", self.hysteresis)
         _check(_is_number(self.min_scale) and math.isfinite(self.min_scale) and self.min_scale > 0,
                "loss_scale.min_scale", "a finite number > 0", self.min_scale)
+        object.__setattr__(self, "init", float(self.init))
+        object.__setattr__(self, "min_scale", float(self.min_scale))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,6 +30,15 @@ _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "torch.float32": tor
 _HARMLESS = {"steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer", "dump_state",
              "gradient_predivide_factor", "prescale_gradients", "gradient_allreduce_op", "seed"}
 _ZERO_HANDLED = {"stage", "stage3_param_persistence_threshold"}
+# What zfunc reads (or knowingly treats as always on) in each precision section.
+_SECTION_KEYS = {
+    "fp16": {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+             "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_gradients",
+             "fp16_master_weights_and_grads"},
+    "bf16": {"enabled", "bf16_master_weights_and_grads", "bf16_optimizer_states", "check_grad_overflow"},
+    "torch_autocast": {"enabled", "dtype"},
+    "data_types": {"grad_accum_dtype"},
+}
 _ZERO_HARMLESS = {"contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "allgather_bucket_size",
                   "overlap_comm", "allgather_partitions", "round_robin_gradients", "sub_group_size",
                   "ignore_unused_parameters", "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
@@ -197,6 +206,11 @@ def from_deepspeed(ds: Mapping[str, Any] | str | os.PathLike, world_size: int = 
     ignored = [k for k in ds if k not in known]
     zero = _section(ds, "zero_optimization")
     ignored += [f"zero_optimization.{k}" for k in zero if k not in _ZERO_HANDLED | _ZERO_HARMLESS]
+    for name, keys in _SECTION_KEYS.items():
+        sec = _section(ds, name) or (_section(ds, "bfloat16") if name == "bf16" else {})
+        ignored += [f"{name}.{k}" for k in sec if k not in keys]
+        if not isinstance(sec.get("enabled", False), bool):
+            raise _err(f"{name}.enabled", "true or false", sec["enabled"])
     if ignored:
         warnings.warn(f"zfunc ignores these DeepSpeed config keys: {', '.join(sorted(ignored))}", stacklevel=3)
 

@@ -21,11 +21,11 @@ from zfunc import comm
 from zfunc.checkpoint import load, read_extra, save
 from zfunc.backward import bind, sinks_into
 from zfunc.config import AdamConfig, Config, ConfigError
-from zfunc.deepspeed_config import batch_sizes
+from zfunc.deepspeed_config import BatchSizes, batch_sizes
 from zfunc.state import TrainState, init
-from zfunc.update import apply_step, learning_rate
+from zfunc.update import apply_step
 
-__all__ = ["Engine", "initialize"]
+__all__ = ["Engine", "initialize", "init_distributed", "add_config_arguments"]
 
 
 class Engine:
@@ -46,16 +46,18 @@ class Engine:
     """
 
     def __init__(self, model: torch.nn.Module, cfg: Config, *, group: comm.Group | None = None,
-                 train_batch_size: int | None = None):
+                 batch: BatchSizes | None = None):
         self.module = model
         self.config = cfg
         self.micro_steps = 0
         self.global_samples = 0
-        self.train_batch_size = train_batch_size
+        self._batch = batch
         self._boundary: bool | None = None
         self._applied = False
         self._pending_loss: torch.Tensor | None = None
         self.state = init(model, cfg, group)
+        self.optimizer = _OptimizerView(self)
+        self.lr_scheduler = _SchedulerView(self) if cfg.lr_schedule is not None else None
 
     # -- the state ---------------------------------------------------------------------------
     @property
@@ -72,8 +74,10 @@ class Engine:
         self._share_module_params()
 
     def _share_module_params(self) -> None:
-        """Stages 0-2: point the module's parameters at the compute buffer (no copy), so
-        ``engine.module`` always shows the current weights. Stage 3 keeps the module's own."""
+        """Stages 0-2, parameters in the compute dtype (fp32 training): point the module's
+        parameters at the compute buffer (no copy), so ``engine.module`` shows the current
+        weights. Otherwise (fp16/bf16 compute, stage 3) the module's own parameters are stale or
+        empty: read weights with `zfunc.full_params` or `zfunc.export`."""
         st = self._state
         if st.stage == 3:
             return
@@ -136,7 +140,7 @@ class Engine:
         st = st.replace(micro_step=st.micro_step + 1, loss_sum=loss_sum)
         if boundary:
             st = apply_step(st, donate=True)
-            self.global_samples += self.train_batch_size or 0
+            self.global_samples += self._batch.train_batch_size if self._batch else 0
         self._state = st  # same buffers: sinks and module views stay valid
         self._applied = boundary
         self.micro_steps += 1
@@ -164,7 +168,45 @@ class Engine:
 
     def get_lr(self) -> list[float]:
         """The learning rate the next applied step will use, as DeepSpeed's one-group list."""
-        return [learning_rate(self._state).item()]
+        cfg = self.config
+        if cfg.lr_schedule is None:
+            return [float(cfg.optimizer.lr)]
+        return [float(torch.as_tensor(cfg.lr_schedule(self._state.opt.count), dtype=torch.float64).item())]
+
+    # -- DeepSpeed's read-only accessors ----------------------------------------------------
+    def train_batch_size(self) -> int | None:
+        return self._batch.train_batch_size if self._batch else None
+
+    def train_micro_batch_size_per_gpu(self) -> int | None:
+        return self._batch.micro_batch_size if self._batch else None
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.grad_accum
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.stage
+
+    def fp16_enabled(self) -> bool:
+        return self.config.precision == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.precision == "bf16"
+
+    @property
+    def device(self) -> torch.device:
+        return self._state.device
+
+    @property
+    def global_rank(self) -> int:
+        return self._state.group.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._state.group.size
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", self._state.group.rank))
 
     def get_global_grad_norm(self) -> float:
         """The global gradient norm of the last step (unscaled, before clipping)."""
@@ -288,16 +330,16 @@ def initialize(model: torch.nn.Module, config: Mapping[str, Any] | str | os.Path
         raise ConfigError("lr_scheduler: zfunc schedules are functions of the step count; use the config's "
                           "'scheduler' section or zfunc.Config(lr_schedule=zfunc.schedules....)")
     group = group or comm.world()
-    tbs = None
+    batch = None
     if isinstance(config, (str, os.PathLike)):
         with open(config) as f:
             config = json.load(f)
     if isinstance(config, Config):
         cfg = config
     else:
-        cfg = Config.from_deepspeed(config or {"train_micro_batch_size_per_gpu": 1}, world_size=group.size)
-        if isinstance(config, Mapping):
-            tbs = batch_sizes(config, group.size).train_batch_size
+        config = config or {"train_micro_batch_size_per_gpu": 1}
+        cfg = Config.from_deepspeed(config, world_size=group.size)
+        batch = batch_sizes(config, group.size)
     if optimizer is not None:
         cfg = cfg.replace(optimizer=_optimizer_config(optimizer))
     if model_parameters is not None:
@@ -305,6 +347,34 @@ def initialize(model: torch.nn.Module, config: Mapping[str, Any] | str | os.Path
         for p in model.parameters():
             if id(p) not in keep:
                 p.requires_grad_(False)
-    engine = Engine(model, cfg, group=group, train_batch_size=tbs)
-    scheduler = _SchedulerView(engine) if cfg.lr_schedule is not None else None
-    return engine, _OptimizerView(engine), None, scheduler
+    engine = Engine(model, cfg, group=group, batch=batch)
+    return engine, engine.optimizer, None, engine.lr_scheduler
+
+
+def init_distributed(dist_backend: str | None = None, **kwargs: Any) -> None:
+    """``deepspeed.init_distributed``: initialise the default process group from the
+    environment (torchrun, the DeepSpeed launcher, Ray Train all set it); never twice.
+
+    Examples:
+        >>> import zfunc
+        >>> zfunc.init_distributed()      # a world of one: nothing to do
+    """
+    del kwargs  # timeouts, ports: taken from the environment by torch
+    comm.init_from_env(dist_backend)
+
+
+def add_config_arguments(parser: Any) -> Any:
+    """``deepspeed.add_config_arguments``: add ``--deepspeed``, ``--deepspeed_config`` and
+    ``--local_rank`` (which the DeepSpeed launcher passes) to an argparse parser.
+
+    Examples:
+        >>> import argparse, zfunc
+        >>> p = zfunc.add_config_arguments(argparse.ArgumentParser())
+        >>> p.parse_args(["--deepspeed_config", "ds.json", "--local_rank=0"]).deepspeed_config
+        'ds.json'
+    """
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed-compatible configuration (zfunc)")
+    group.add_argument("--deepspeed", default=False, action="store_true", help="use the DeepSpeed config")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed JSON config file")
+    group.add_argument("--local_rank", "--local-rank", default=-1, type=int, help="set by launchers")
+    return parser

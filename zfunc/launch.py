@@ -161,8 +161,15 @@ def launch(fn: Callable[..., Any], world_size: int = 2, args: tuple = (), backen
         [7]
     """
     if _under_torchrun():
+        import torch.distributed as dist
+
         from zfunc import comm
+        created = not (dist.is_available() and dist.is_initialized())
         comm.init_from_env(backend)
-        return [fn(int(os.environ["RANK"]), *args)]
+        try:
+            return [fn(int(os.environ["RANK"]), *args)]
+        finally:
+            if created and dist.is_initialized():  # exiting with a live gloo group can abort
+                dist.destroy_process_group()
     with World(world_size, backend=backend, threads=threads, timeout=timeout) as w:
         return w.run(fn, *args)

@@ -4,7 +4,9 @@ numpy has no bfloat16 and numba's CPU target has no float16, so 16-bit arrays re
 kernels as raw bits and the integer type tags the format: ``int16`` holds bfloat16 bits,
 ``uint16`` holds float16 bits, float32 arrays are used as they are. :func:`load`,
 :func:`store` and :func:`quantize` dispatch on that dtype when a kernel is compiled. Encoding
-rounds to nearest even; NaN stays NaN (quiet, sign and top payload bits kept).
+rounds to nearest even; NaN stays NaN (quiet, sign and top payload bits kept). On CPUs with
+hardware float16 conversion, ``_cpu.py`` swaps in LLVM's (bit-identical) conversions for the
+two float16 codecs; the tests check both against torch and against each other.
 """
 
 from __future__ import annotations
@@ -60,8 +62,9 @@ def f32_to_bf16(x: Any) -> int:
 def f16_to_f32(h: int) -> Any:
     """Decodes float16 bits to float32 (exact, subnormals included).
 
-    The exponent and mantissa are moved into float32 position and rescaled by ``2**112``;
-    the all-ones exponent (Inf/NaN) is widened first.
+    The exponent and mantissa are moved into float32 position and rescaled by ``2**112``
+    (exact, subnormals included); the all-ones exponent (Inf/NaN) is widened instead, and NaN
+    made quiet, as hardware conversions do.
 
     Args:
         h: float16 bits (any integer; the low 16 bits are used).
@@ -75,8 +78,10 @@ def f16_to_f32(h: int) -> Any:
     """
     h = h & 0xFFFF
     u = ((h & 0x8000) << 16) | ((h & 0x7FFF) << 13)
-    if (h & 0x7C00) == 0x7C00:
-        u = u | 0x7F800000
+    if (h & 0x7C00) == 0x7C00:  # Inf or NaN: widen the exponent; NaN comes out quiet
+        if (h & 0x3FF) != 0:
+            u = u | 0x400000
+        return bits_to_f32(u | 0x7F800000)
     return bits_to_f32(u) * F16_MAGIC
 
 
@@ -106,7 +111,8 @@ def f32_to_f16(x: Any) -> int:
     a = u & 0x7FFFFFFF
     r = a - 0x38000000  # exponent bias 127 -> 15
     normal = (r + 0xFFF + ((r >> 13) & 1)) >> 13
-    subnormal = f32_to_bits(bits_to_f32(a) + F16_HALF) - 0x3F000000
+    tiny = a if a < 0x38800000 else 0  # (keeps NaN out of the addition)
+    subnormal = f32_to_bits(bits_to_f32(tiny) + F16_HALF) - 0x3F000000
     h = normal if a >= 0x38800000 else subnormal
     h = 0x7C00 if a >= 0x477FF000 else h  # >= 65520 rounds to Inf
     h = (0x7E00 | ((a >> 13) & 0x3FF)) if a > 0x7F800000 else h

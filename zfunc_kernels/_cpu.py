@@ -9,18 +9,22 @@ makes the sum-of-squares partials (and so its result) identical for any number o
 
 from __future__ import annotations
 
+import contextlib
 import math
+import platform
+from collections.abc import Iterator
 from typing import Any
 
 import numba
 import numpy as np
 import torch
+import llvmlite.binding as llvm
 from llvmlite import ir
 from numba import prange
 from numba.core import types
 from numba.core.extending import intrinsic, overload
 
-from zfunc_kernels import _shared
+from zfunc_kernels import _codec, _shared
 from zfunc_kernels._adapt import as_numpy
 from zfunc_kernels._cache import track_shared_math
 from zfunc_kernels._codec import load, quantize, store
@@ -73,6 +77,57 @@ def _llvm_fma_f32(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
         return builder.fma(*args)
 
     return types.float32(types.float32, types.float32, types.float32), codegen
+
+
+@intrinsic
+def _f32_to_f16_hw(typingctx: Any, x: Any) -> Any:
+    if x != types.float32:
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(types.float32), codegen
+
+
+@intrinsic
+def _f16_to_f32_hw(typingctx: Any, h: Any) -> Any:
+    if h != types.uint16:
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.uint16), codegen
+
+
+def hardware_f16() -> bool:
+    """Whether LLVM converts float16 natively here (x86 F16C, or ARM64) for numba's target.
+
+    Then the CPU kernels use those conversions instead of the shared software codec (same
+    bits: round to nearest even, quiet NaN keeping the payload's top bits); elsewhere LLVM
+    would call a runtime helper that numba's JIT may not find.
+
+    Examples:
+        >>> isinstance(hardware_f16(), bool)
+        True
+    """
+    if numba.config.CPU_NAME is not None:  # compiling for another CPU (e.g. a portable cache)
+        return False
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        return True
+    return bool(llvm.get_host_cpu_features().get("f16c", False))
+
+
+if hardware_f16():
+
+    @overload(_codec.f32_to_f16, target="cpu", strict=False, inline="never")
+    def _f32_to_f16_cpu(x: Any) -> Any:
+        return lambda x: np.int64(_f32_to_f16_hw(np.float32(x)))
+
+    @overload(_codec.f16_to_f32, target="cpu", strict=False, inline="never")
+    def _f16_to_f32_cpu(h: Any) -> Any:
+        return lambda h: _f16_to_f32_hw(np.uint16(h & 0xFFFF))
 
 
 @overload(_shared.f32_to_bits, target="cpu", strict=False, inline="never")
@@ -203,14 +258,28 @@ def convert_kernel(src: Any, dst: Any) -> None:  # pragma: no cover - compiled
 # --------------------------------------------------------------------------- torch entry points
 
 
-def set_threads() -> None:
-    """Makes numba use torch's intra-op thread count (capped by numba's pool).
+@contextlib.contextmanager
+def torch_threads() -> Iterator[None]:
+    """Runs numba with torch's intra-op thread count (capped by numba's pool), and leaves
+    torch's count as it was: numba's OpenMP layer shares the OpenMP runtime with torch, and its
+    first parallel region raises the process-wide thread count (which made torch's own kernels
+    change their reduction order, and oversubscribed the cores, after the first optimizer step).
 
     Examples:
-        >>> set_threads(); numba.get_num_threads() <= numba.config.NUMBA_NUM_THREADS
+        >>> before = torch.get_num_threads()
+        >>> with torch_threads():
+        ...     numba.get_num_threads() <= numba.config.NUMBA_NUM_THREADS
+        True
+        >>> torch.get_num_threads() == before
         True
     """
-    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+    before = torch.get_num_threads()
+    numba.set_num_threads(max(1, min(before, numba.config.NUMBA_NUM_THREADS)))
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def fused_adam(
@@ -241,13 +310,13 @@ def fused_adam(
         >>> p.tolist(), int(s)
         ([0.5, 0.5, 0.5], 1)
     """
-    set_threads()
     a = as_numpy
-    adam_kernel(
-        a(master), a(grad), a(mu), a(nu), None if compute is None else a(compute),
-        a(step), a(lr), a(inv_scale), a(clip_coef), a(found_inf),
-        float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled),
-    )  # fmt: skip
+    with torch_threads():
+        adam_kernel(
+            a(master), a(grad), a(mu), a(nu), None if compute is None else a(compute),
+            a(step), a(lr), a(inv_scale), a(clip_coef), a(found_inf),
+            float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled),
+        )  # fmt: skip
 
 
 def overflow_sumsq(x: torch.Tensor, out: torch.Tensor) -> None:
@@ -258,5 +327,5 @@ def overflow_sumsq(x: torch.Tensor, out: torch.Tensor) -> None:
         >>> overflow_sumsq(torch.tensor([3.0, 4.0], dtype=torch.bfloat16), out); out.tolist()
         [0.0, 25.0]
     """
-    set_threads()
-    sumsq_kernel(as_numpy(x), as_numpy(out))
+    with torch_threads():
+        sumsq_kernel(as_numpy(x), as_numpy(out))

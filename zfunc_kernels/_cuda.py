@@ -31,7 +31,7 @@ from zfunc_kernels._codec import load, quantize, store
 from zfunc_kernels._math import adam_constants, adam_element, square64
 
 SIM = bool(numba.config.ENABLE_CUDASIM)
-THREADS = 16 if SIM else 256
+THREADS = 8 if SIM else 256
 """Threads per block (a power of two; the simulator runs one Python thread per CUDA thread)."""
 MAX_BLOCKS = 4 if SIM else 1024
 """Grid cap for the grid-stride loops; the grid depends only on the length."""

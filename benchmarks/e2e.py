@@ -1,0 +1,445 @@
+"""End-to-end benchmark: zfunc ZeRO stages 0-3 against DDP and FSDP2 on one small GPT.
+
+Every contender trains the same GPT (vocab 8192, context 128, 4 layers, 8 heads, d_model 512)
+on the same synthetic token batches (micro-batch 8 x 128 tokens per rank, a different batch per
+step and rank, identical across contenders), with AdamW (lr 1e-3, weight decay 0.01) and global
+norm clipping at 1.0, on a local world of 2 gloo ranks with one torch thread each.
+
+Contenders (``--only`` picks a comma-separated subset):
+
+* ``ddp``    DistributedDataParallel + torch.optim.AdamW (fused=True where it runs, else foreach)
+* ``fsdp2``  torch.distributed.fsdp.fully_shard per block + root, + AdamW
+* ``zero0`` .. ``zero3``  zfunc ZeRO stage 0..3 (stage 3 gathers one unit per transformer block)
+* ``deepspeed``  only reported as "not installed" unless ``import deepspeed`` works (it is not run)
+
+Each contender runs in a *fresh* world (`zfunc.launch` starts new processes per call), so
+``ru_maxrss`` is that contender's own peak. Peak RSS includes the interpreter, torch and the
+model as built on every rank; the "+RSS" column subtracts the peak measured just after the model
+is built (before the wrapper/optimizer/state exists), i.e. what the contender itself added.
+
+Timing: ``--warmup`` untimed steps, then ``--steps`` timed steps. Every step starts after a
+barrier and is timed with ``time.perf_counter`` around the whole step (forward, backward,
+collectives, clipping, optimizer). A step's time is the slowest rank's; the table shows the
+median over steps. The fwd+bwd / optimizer split is measured inside the same steps. The CPU
+column is ``time.process_time`` over the same interval (slowest rank, median): on a shared
+machine it is far less disturbed by other processes than wall time.
+
+    python benchmarks/e2e.py                          # everything, fp32
+    python benchmarks/e2e.py --precision bf16
+    python benchmarks/e2e.py --only ddp,zero2 --steps 20
+    python benchmarks/e2e.py --only zero2 --profile torch     # profile rank 0 for 2 steps
+    python benchmarks/e2e.py --only ddp,zero2 --profile cprofile
+
+bf16: zfunc runs ``precision="bf16"`` (bf16 compute copy, fp32 masters, moments and gradient
+accumulator); DDP runs its forward under ``torch.autocast("cpu", torch.bfloat16)`` with fp32
+parameters; FSDP2 uses ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the spawned ranks
+
+import argparse
+import contextlib
+import io
+import platform
+import resource
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import zfunc
+from zfunc.models import GPT, GPTConfig, lm_loss
+
+MODEL = dict(vocab_size=8192, block_size=128, n_layer=4, n_head=8, d_model=512)
+SEQ = 128
+MICRO_BATCH = 8
+WORLD = 2
+LR, WD, CLIP = 1e-3, 0.01, 1.0
+CONTENDERS = ["ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3"]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _maxrss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _batches(rank: int, n: int) -> list[dict[str, torch.Tensor]]:
+    """``n`` steps' batches for ``rank``: one fixed synthetic batch per rank, reused every step.
+
+    The same for every contender. Reusing it lets the model memorise it, so the loss falls
+    steeply within a few steps and the final losses are a sharp check that all contenders
+    compute the same training run (random fresh tokens would keep every loss near ln(vocab)).
+    """
+    g = torch.Generator().manual_seed(1234 + rank)
+    tokens = torch.randint(0, MODEL["vocab_size"], (MICRO_BATCH, SEQ + 1), generator=g)
+    batch = {"x": tokens[:, :-1].contiguous(), "y": tokens[:, 1:].contiguous()}
+    return [batch] * n
+
+
+def _build_model() -> torch.nn.Module:
+    torch.manual_seed(0)  # the same initial weights on every rank and for every contender
+    return GPT(GPTConfig(**MODEL))
+
+
+def _nbytes_unique(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (local shards for DTensors)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        if hasattr(t, "to_local"):
+            t = t.to_local()
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
+    return sum(seen.values())
+
+
+def _torch_state_bytes(params: list[torch.Tensor], opt: torch.optim.Optimizer) -> dict[str, int]:
+    opt_tensors = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    rep = {"params": _nbytes_unique(params), "grads": _nbytes_unique([p.grad for p in params]),
+           "optimizer": _nbytes_unique(opt_tensors)}
+    rep["total"] = sum(rep.values())
+    return rep
+
+
+def _adamw(params: list[torch.Tensor], kind: str) -> tuple[torch.optim.Optimizer, str]:
+    """AdamW with fused=True if that works here for this kind of parameter, else foreach."""
+    try:
+        if kind == "dtensor":
+            from torch.distributed.tensor import DTensor, Replicate
+            from torch.distributed.device_mesh import init_device_mesh
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+            probe = torch.nn.Parameter(DTensor.from_local(torch.ones(4), mesh, [Replicate()]))
+            probe.grad = DTensor.from_local(torch.ones(4), mesh, [Replicate()])
+        else:
+            probe = torch.nn.Parameter(torch.ones(4))
+            probe.grad = torch.ones(4)
+        torch.optim.AdamW([probe], lr=LR, weight_decay=WD, fused=True).step()
+        return torch.optim.AdamW(params, lr=LR, weight_decay=WD, fused=True), "fused"
+    except Exception:  # noqa: BLE001 - fused AdamW not available for this device/tensor type
+        return torch.optim.AdamW(params, lr=LR, weight_decay=WD, foreach=True), "foreach"
+
+
+# ----------------------------------------------------------------------------- contenders
+# Each setup returns (step_fn, info) where step_fn(batch) -> (t_fwd_bwd_end,) runs one full step
+# and info() -> dict with "state_bytes", "loss" (last step's loss, averaged over ranks), "note".
+
+def _setup_ddp(precision: str):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = _build_model()
+    ddp = DDP(model)
+    params = [p for p in ddp.parameters() if p.requires_grad]
+    opt, how = _adamw(params, "plain")
+    ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16" else contextlib.nullcontext
+    last = {}
+
+    def step(batch):
+        opt.zero_grad(set_to_none=True)
+        with ctx():
+            loss = lm_loss(ddp, batch)
+        loss.backward()
+        t_mid = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(params, CLIP, foreach=True)
+        opt.step()
+        last["loss"] = loss.detach()
+        return t_mid
+
+    def info():
+        loss = last["loss"].clone()
+        dist.all_reduce(loss)
+        return {"state_bytes": _torch_state_bytes(params, opt), "loss": loss.item() / dist.get_world_size(),
+                "note": f"AdamW {how}" + (", autocast bf16" if precision == "bf16" else "")}
+    return step, info
+
+
+def _setup_fsdp2(precision: str):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    model = _build_model()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if precision == "bf16" else MixedPrecisionPolicy())
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt, how = _adamw(params, "dtensor")
+    last = {}
+
+    def step(batch):
+        opt.zero_grad(set_to_none=True)
+        loss = lm_loss(model, batch)
+        loss.backward()
+        t_mid = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(params, CLIP, foreach=True)
+        opt.step()
+        last["loss"] = loss.detach()
+        return t_mid
+
+    def info():
+        loss = last["loss"].clone()
+        dist.all_reduce(loss)
+        return {"state_bytes": _torch_state_bytes(params, opt), "loss": loss.item() / dist.get_world_size(),
+                "note": f"AdamW {how}" + (", param bf16/reduce fp32" if precision == "bf16" else "")}
+    return step, info
+
+
+def _setup_zfunc(stage: int, precision: str):
+    from zfunc.models.gpt import Block
+    model = _build_model()
+    cfg = zfunc.Config(stage=stage, precision=precision, clip=CLIP, grad_accum=1,
+                       optimizer=zfunc.adamw(lr=LR, weight_decay=WD),
+                       units=(Block,) if stage == 3 else None)
+    box = {"state": zfunc.init(model, cfg)}
+
+    # zfunc.train_step(lm_loss) is exactly this for grad_accum=1 (it donates too); calling the
+    # two halves directly lets the benchmark time them separately.
+    def step(batch):
+        state, _ = zfunc.backward_step(box["state"], lm_loss, batch, donate=True)
+        t_mid = time.perf_counter()
+        box["state"] = zfunc.apply_step(state, donate=True)
+        return t_mid
+
+    def info():
+        st = box["state"]
+        # Bytes the module's own parameters still hold outside the state (memory_report does not
+        # count them; they are dead weight once the state owns the parameters).
+        ours = {t.untyped_storage().data_ptr() for t in (st.params, st.compute, st.grads)}
+        extra = _nbytes_unique([p for p in st.module.parameters()
+                                if p.untyped_storage().data_ptr() not in ours])
+        return {"state_bytes": zfunc.memory_report(st), "loss": st.metrics.loss.item(),
+                "note": f"{len(st.layout.units)} unit(s); module keeps {extra / 2**20:.0f} MiB of "
+                        "original params (not counted)"}
+    return step, info
+
+
+def _setup(name: str, precision: str):
+    if name == "ddp":
+        return _setup_ddp(precision)
+    if name == "fsdp2":
+        return _setup_fsdp2(precision)
+    if name.startswith("zero"):
+        return _setup_zfunc(int(name[4:]), precision)
+    raise ValueError(f"unknown contender {name!r}; expected one of {CONTENDERS}")
+
+
+# ----------------------------------------------------------------------------- one rank
+
+def _profiled(kind: str, fn, rows: int) -> str:
+    if kind == "torch":
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+        return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+    import cProfile
+    import pstats
+    pr = cProfile.Profile()
+    pr.enable()
+    fn()
+    pr.disable()
+    buf = io.StringIO()
+    st = pstats.Stats(pr, stream=buf)
+    st.sort_stats("cumulative").print_stats(rows)
+    st.sort_stats("tottime").print_stats(rows)
+    return buf.getvalue()
+
+
+def run_rank(rank: int, name: str, precision: str, warmup: int, steps: int,
+             profile: str | None, profile_steps: int, rows: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    batches = _batches(rank, warmup + steps)
+    _build_model()  # a throwaway build, so that the baseline below includes a built model
+    base_rss = _maxrss_bytes()
+    step, info = _setup(name, precision)
+    setup_rss = _maxrss_bytes()
+    for b in batches[:warmup]:
+        step(b)
+    if profile:
+        # Both ranks run the profiled steps (collectives need both); rank 0 records them.
+        def run():
+            for b in batches[warmup:warmup + profile_steps]:
+                dist.barrier()
+                step(b)
+        dist.barrier()
+        t0 = time.perf_counter()
+        text = _profiled(profile, run, rows) if rank == 0 else (run() or "")
+        return {"profile": text, "seconds": time.perf_counter() - t0}
+    totals, fwdbwd, cpu = [], [], []
+    for b in batches[warmup:]:
+        dist.barrier()
+        c0, t0 = time.process_time(), time.perf_counter()
+        t_mid = step(b)
+        t1, c1 = time.perf_counter(), time.process_time()
+        totals.append(t1 - t0)
+        fwdbwd.append(t_mid - t0)
+        cpu.append(c1 - c0)
+    out = info()
+    if torch.get_num_threads() != 1:  # something in the contender's step changed it
+        out["note"] += f"; WARNING: torch threads 1 -> {torch.get_num_threads()} during the run (not reset)"
+    out.update(times=totals, fwdbwd=fwdbwd, cpu=cpu, base_rss=base_rss, setup_rss=setup_rss, peak_rss=_maxrss_bytes())
+    return out
+
+
+def run_rank_interleaved(rank: int, names: list[str], precision: str, warmup: int,
+                         steps: int) -> dict[str, dict[str, Any]]:
+    """All ``names`` in one world, their steps alternating (round-robin, rotating the order).
+
+    Background load on a shared machine then hits every contender alike, so the time ratios are
+    robust; peak RSS is meaningless here (every contender is alive at once) and is not reported.
+    """
+    torch.set_num_threads(1)
+    batches = _batches(rank, warmup + steps)
+    runs = {n: _setup(n, precision) for n in names}
+    rec = {n: {"times": [], "fwdbwd": [], "cpu": [], "threads": set()} for n in names}
+    for b in batches[:warmup]:
+        for n in names:
+            torch.set_num_threads(1)
+            runs[n][0](b)
+            rec[n]["threads"].add(torch.get_num_threads())
+    for i, b in enumerate(batches[warmup:]):
+        k = i % len(names)
+        for n in names[k:] + names[:k]:
+            torch.set_num_threads(1)  # one contender must not change the threads of the next
+            dist.barrier()
+            c0, t0 = time.process_time(), time.perf_counter()
+            t_mid = runs[n][0](b)
+            t1, c1 = time.perf_counter(), time.process_time()
+            rec[n]["times"].append(t1 - t0)
+            rec[n]["fwdbwd"].append(t_mid - t0)
+            rec[n]["cpu"].append(c1 - c0)
+            rec[n]["threads"].add(torch.get_num_threads())
+    for n in names:
+        changed = sorted(rec[n].pop("threads") - {1})
+        rec[n].update(runs[n][1]())
+        if changed:
+            rec[n]["note"] += (f"; WARNING: its step set torch threads 1 -> {changed} "
+                               "(reset to 1 before every step here)")
+        rec[n].update(base_rss=0, setup_rss=0, peak_rss=0)
+    return rec
+
+
+# ----------------------------------------------------------------------------- driver
+
+def _summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    n = len(per_rank[0]["times"])
+    step_max = [max(r["times"][i] for r in per_rank) for i in range(n)]
+    fb_max = [max(r["fwdbwd"][i] for r in per_rank) for i in range(n)]
+    # the optimizer part of the slowest rank's step
+    opt_max = [max(r["times"][i] - r["fwdbwd"][i] for r in per_rank) for i in range(n)]
+    cpu_max = [max(r["cpu"][i] for r in per_rank) for i in range(n)]
+    return {"median": statistics.median(step_max), "min": min(step_max), "max": max(step_max),
+            "cpu": statistics.median(cpu_max),
+            "fwdbwd": statistics.median(fb_max), "opt": statistics.median(opt_max),
+            "peak_rss": [r["peak_rss"] for r in per_rank],
+            "add_rss": [r["peak_rss"] - r["base_rss"] for r in per_rank],
+            "state": [r["state_bytes"] for r in per_rank],
+            "loss": per_rank[0]["loss"], "note": per_rank[0]["note"]}
+
+
+def _mib(x: float) -> str:
+    return f"{x / 2**20:.0f}"
+
+
+def _table(results: dict[str, dict[str, Any]]) -> str:
+    ref = results.get("ddp")
+    head = ("| contender | step ms (median) | min-max ms | vs DDP | CPU ms/step | vs DDP | fwd+bwd ms | optim ms | "
+            "peak RSS MiB r0/r1 | +RSS MiB r0/r1 | vs DDP | model state MiB/rank (p+g+o) | vs DDP | "
+            "final loss | notes |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for name, r in results.items():
+        st = r["state"][0]
+        ratio = (lambda a, b: f"{a / b:.2f}x") if ref else (lambda a, b: "-")
+        has_rss = r["peak_rss"][0] > 0
+        rss_ratio = ratio(max(r["add_rss"]), max(ref["add_rss"])) if ref and has_rss else "-"
+        peak = "/".join(_mib(x) for x in r["peak_rss"]) if has_rss else "-"
+        add = "/".join(_mib(x) for x in r["add_rss"]) if has_rss else "-"
+        lines.append(
+            f"| {name} | {r['median'] * 1e3:.0f} | {r['min'] * 1e3:.0f}-{r['max'] * 1e3:.0f} | "
+            f"{ratio(r['median'], ref['median']) if ref else '-'} | {r['cpu'] * 1e3:.0f} | "
+            f"{ratio(r['cpu'], ref['cpu']) if ref else '-'} | {r['fwdbwd'] * 1e3:.0f} | {r['opt'] * 1e3:.0f} | "
+            f"{peak} | {add} | "
+            f"{rss_ratio} | {_mib(st['total'])} ({_mib(st['params'])}+{_mib(st['grads'])}+{_mib(st['optimizer'])}) | "
+            f"{ratio(st['total'], ref['state'][0]['total']) if ref else '-'} | {r['loss']:.4f} | {r['note']} |")
+    return "\n".join(lines)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", default=",".join(CONTENDERS),
+                   help=f"comma-separated contenders (default all: {','.join(CONTENDERS)})")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed warmup steps (default 2)")
+    p.add_argument("--profile", choices=["torch", "cprofile"], default=None,
+                   help="instead of timing, profile rank 0 for --profile-steps steps after warmup")
+    p.add_argument("--profile-steps", type=int, default=2)
+    p.add_argument("--rows", type=int, default=30, help="rows of profiler output")
+    p.add_argument("--interleave", action="store_true",
+                   help="run all contenders in one world with their steps alternating (robust time "
+                        "ratios on a loaded machine; no RSS numbers)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    args = parse(argv)
+    names = [n.strip() for n in args.only.split(",") if n.strip()]
+    bad = [n for n in names if n not in CONTENDERS + ["deepspeed"]]
+    if bad:
+        raise SystemExit(f"--only: unknown contender(s) {bad}; expected from {CONTENDERS}")
+    try:
+        import deepspeed  # noqa: F401
+        ds = f"deepspeed: installed ({deepspeed.__version__}), not benchmarked by this script"
+    except Exception:  # noqa: BLE001
+        ds = "deepspeed: not installed"
+    import zfunc_kernels
+    print(f"torch {torch.__version__}, python {platform.python_version()}, {os.cpu_count()} CPUs, "
+          f"{WORLD} ranks x 1 thread (gloo), zfunc {zfunc.__version__}, "
+          f"zfunc_kernels from {os.path.dirname(zfunc_kernels.__file__)}", flush=True)
+    print(f"GPT {MODEL}, seq {SEQ}, micro-batch {MICRO_BATCH}/rank, AdamW lr {LR} wd {WD}, clip {CLIP}, "
+          f"{args.precision}, warmup {args.warmup}, timed steps {args.steps}", flush=True)
+    print(ds, flush=True)
+    results: dict[str, dict[str, Any]] = {}
+    names = [n for n in names if n != "deepspeed"]
+    if args.interleave and not args.profile:
+        t0 = time.perf_counter()
+        per_rank = zfunc.launch(run_rank_interleaved, world_size=WORLD, threads=1, timeout=3600,
+                                args=(names, args.precision, args.warmup, args.steps))
+        print(f"interleaved: all contenders in one world, steps alternating "
+              f"[{time.perf_counter() - t0:.0f} s]; RSS columns are not measured in this mode", flush=True)
+        results = {n: _summarise([r[n] for r in per_rank]) for n in names}
+        names = []
+    for name in names:
+        t0 = time.perf_counter()
+        per_rank = zfunc.launch(run_rank, world_size=WORLD, threads=1, timeout=1800,
+                                args=(name, args.precision, args.warmup, args.steps,
+                                      args.profile, args.profile_steps, args.rows))
+        if args.profile:
+            print(f"\n===== {name}: {args.profile} profile of rank 0, {args.profile_steps} steps "
+                  f"({per_rank[0]['seconds']:.2f} s) =====\n{per_rank[0]['profile']}", flush=True)
+            continue
+        results[name] = _summarise(per_rank)
+        r = results[name]
+        print(f"{name:6s} median step {r['median'] * 1e3:7.1f} ms  (CPU {r['cpu'] * 1e3:.0f} ms; fwd+bwd {r['fwdbwd'] * 1e3:.0f}, "
+              f"optim {r['opt'] * 1e3:.0f})  loss {r['loss']:.4f}  [{time.perf_counter() - t0:.0f} s incl. spawn]",
+              flush=True)
+    if results:
+        print()
+        print(_table(results))
+        if "ddp" in results and "zero2" in results:
+            q = results["zero2"]["median"] / results["ddp"]["median"]
+            c = results["zero2"]["cpu"] / results["ddp"]["cpu"]
+            print(f"\ngoal (zfunc ZeRO-2 step time <= 1.0x DDP): wall {q:.2f}x -> {'MET' if q <= 1.0 else 'NOT MET'} "
+                  f"(CPU time per step {c:.2f}x)")
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() is not None else 1)
