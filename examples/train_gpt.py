@@ -3,7 +3,7 @@
 The text is CPython's own help topics (``pydoc_data``), so nothing is downloaded. Every rank
 reads its own random windows; the functional loop is ``state = step(state, batch)``.
 
-    python examples/train_gpt.py                      # ZeRO-2, 2 ranks, 200 steps
+    python examples/train_gpt.py                      # ZeRO-2, 2 ranks, 300 steps
     python examples/train_gpt.py --stage 1 --world-size 3 --grad-accum 2 --steps 50
 
 Under ``torchrun`` the script is one rank of that world instead of starting its own.
@@ -27,12 +27,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--stage", type=int, default=2, help="ZeRO stage 0-3 (default 2)")
     p.add_argument("--world-size", type=int, default=2, help="local gloo ranks (default 2)")
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default 1)")
     p.add_argument("--micro-batch", type=int, default=16, help="sequences per micro-batch per rank")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=192)
     p.add_argument("--block", type=int, default=64, help="context length in characters")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
@@ -64,7 +64,7 @@ def train(rank: int, args: argparse.Namespace) -> dict[str, float]:
                        optimizer=zfunc.adamw(lr=args.lr, weight_decay=0.1), loss_scale=loss_scale,
                        lr_schedule=zfunc.schedules.warmup_cosine_lr(
                            args.steps, lr=args.lr, warmup_num_steps=max(1, args.steps // 10),
-                           cos_min_ratio=0.1, warmup_type="linear"))
+                           warmup_min_ratio=0.1, cos_min_ratio=0.1, warmup_type="linear"))
     state = zfunc.init(model, cfg)
     world = state.group.size
     step = zfunc.train_step(lm_loss)
