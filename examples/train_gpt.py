@@ -19,8 +19,9 @@ import torch
 from torch.func import functional_call
 
 import zfunc
-from zfunc.metrics import MetricsLog, plot_run, step_record
+from zfunc.metrics import MetricsLog, peak_memory_mib, plot_run, step_record
 from zfunc.models import GPT, CharCorpus, GPTConfig, lm_loss
+from zfunc.train import split_micro_batches
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -67,7 +68,6 @@ def train(rank: int, args: argparse.Namespace) -> dict[str, float]:
                            warmup_min_ratio=0.1, cos_min_ratio=0.1, warmup_type="linear"))
     state = zfunc.init(model, cfg)
     world = state.group.size
-    step = zfunc.train_step(lm_loss)
     tokens_per_step = world * args.grad_accum * args.micro_batch * args.block
     if rank == 0:
         n = state.layout.numel
@@ -76,15 +76,21 @@ def train(rank: int, args: argparse.Namespace) -> dict[str, float]:
               f"{tokens_per_step} tokens/step; rank 0 holds {rep['total'] / 2**20:.1f} MiB of model state "
               f"(params {rep['params'] / 2**20:.1f}, grads {rep['grads'] / 2**20:.1f}, "
               f"optimizer {rep['optimizer'] / 2**20:.1f})", flush=True)
-    log = MetricsLog(os.path.join(args.out, "metrics.jsonl"), rank=rank, total=args.steps)
+    log = MetricsLog(os.path.join(args.out, "metrics.jsonl"), rank=rank, total=args.steps,
+                     tensorboard=os.path.join(args.out, "tb"))
     first = last = None
     start = time.perf_counter()
     for i in range(args.steps):
         t0 = time.perf_counter()
         batch = corpus.batch(args.micro_batch * args.grad_accum, args.block, seed=args.seed, step=i, rank=rank)
-        state = step(state, batch)
-        rec = step_record(state)
-        rec["tokens_per_s"] = round(tokens_per_step / (time.perf_counter() - t0))
+        for micro in split_micro_batches(batch, args.grad_accum):  # what zfunc.train_step does, timed
+            state, _ = zfunc.backward_step(state, lm_loss, micro, donate=True)
+        t1 = time.perf_counter()
+        state = zfunc.apply_step(state, donate=True)
+        rec = step_record(state)  # reads the device scalars: the step is done here
+        t2 = time.perf_counter()
+        rec.update(tokens_per_s=round(tokens_per_step / (t2 - t0)), fwd_bwd_ms=round(1e3 * (t1 - t0), 1),
+                   step_ms=round(1e3 * (t2 - t1), 1), peak_mib=round(peak_memory_mib(state.device)))
         log.write(rec)
         first = rec["loss"] if first is None else first
         last = rec["loss"]

@@ -15,7 +15,24 @@ from typing import IO, Any
 
 from zfunc.state import TrainState
 
-__all__ = ["MetricsLog", "step_record", "plot_run"]
+__all__ = ["MetricsLog", "step_record", "plot_run", "peak_memory_mib"]
+
+
+def peak_memory_mib(device: Any = None) -> float:
+    """Peak memory of this process so far: CUDA allocated on a GPU, resident set size on CPU.
+
+    Examples:
+        >>> from zfunc.metrics import peak_memory_mib
+        >>> peak_memory_mib() > 0
+        True
+    """
+    import torch
+
+    if device is not None and torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def step_record(state: TrainState) -> dict[str, float]:
@@ -40,8 +57,9 @@ def _fmt(v: Any) -> str:
 
 
 class MetricsLog:
-    """Writes per-step records on rank 0: JSONL to ``path``, and a line per step to ``stream``
-    (a tqdm progress bar instead when ``stream`` is a terminal and tqdm is installed).
+    """Writes per-step records on rank 0: JSONL to ``path``, a line per step to ``stream`` (a
+    tqdm progress bar instead when ``stream`` is a terminal and tqdm is installed), and the
+    numeric fields to TensorBoard under ``tensorboard`` when that package is installed.
 
     Examples:
         >>> import io
@@ -54,13 +72,22 @@ class MetricsLog:
     """
 
     def __init__(self, path: str | os.PathLike | None, *, rank: int = 0, total: int | None = None,
-                 stream: IO[str] | None = None, bar: bool | None = None):
+                 stream: IO[str] | None = None, bar: bool | None = None,
+                 tensorboard: str | os.PathLike | None = None):
         self.rank, self.total = rank, total
         self.stream = stream if stream is not None else sys.stdout
         self.file = None
         self.bar = None
+        self.tb = None
         if rank != 0:
             return
+        if tensorboard is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard is optional
+                pass
+            else:
+                self.tb = SummaryWriter(os.fspath(tensorboard))
         if path is not None:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self.file = open(path, "w")  # noqa: SIM115 - closed in close()
@@ -81,6 +108,10 @@ class MetricsLog:
         if self.file is not None:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
+        if self.tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(f"train/{k}", v, record.get("step", 0))
         shown = " | ".join(f"{k} {_fmt(v)}" for k, v in record.items() if k != "step")
         if self.bar is not None:
             self.bar.update(1)
@@ -92,6 +123,8 @@ class MetricsLog:
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+        if self.tb is not None:
+            self.tb.close()
         if self.bar is not None:
             self.bar.close()
 
