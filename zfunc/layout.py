@@ -102,8 +102,15 @@ class Layout:
         return flat
 
     def views(self, unit: Unit, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Parameter-shaped views into ``unit``'s flat buffer (differentiable)."""
-        return {s.name: flat.narrow(0, s.offset, s.numel).view(s.shape) for s in unit.slots}
+        """Parameter-shaped views into ``unit``'s flat buffer (differentiable).
+
+        One ``split`` makes them all, so backward assembles the flat gradient with one
+        concatenation (a ``narrow`` per parameter would zero-fill a whole flat buffer each).
+        """
+        sizes = [s.numel for s in unit.slots]
+        pad = flat.numel() - sum(sizes)
+        parts = torch.split(flat, sizes + [pad] if pad else sizes)
+        return {s.name: p.view(s.shape) for s, p in zip(unit.slots, parts)}
 
     def rank_slices(self, unit: Unit, flat: torch.Tensor) -> torch.Tensor:
         """``unit``'s flat buffer seen as ``(world, shard)``: row ``r`` is what rank ``r`` owns."""
