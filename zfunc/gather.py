@@ -83,10 +83,9 @@ class Binding:
             # copy then. (Deciding by graph order, never by object lifetimes, keeps every rank's
             # collectives in the same order.)
             sink.register_post_accumulate_grad_hook(lambda _, i=i: self._done(i))
-        install_hooks(state)
-        for unit in state.layout.units:
-            if unit.name != "root":
-                _modules(state)[unit.name]._zfunc_binding = weakref.ref(self)
+        me = weakref.ref(self)
+        for mod in install_hooks(state):
+            mod._zfunc_binding = me
 
     def _done(self, i: int) -> None:
         self.regathered.pop(i, None)
@@ -133,21 +132,32 @@ def _modules(state: Any) -> dict[str, torch.nn.Module]:
     return dict(state.module.named_modules())
 
 
-def install_hooks(state: Any) -> None:
-    """Once per module: pre/post forward hooks on each unit's module that swap its parameters
-    for views of the gathered unit (from the binding of the forward call that runs it)."""
-    lay = state.layout
+def install_hooks(state: Any) -> list[torch.nn.Module]:
+    """Once per layout: pre/post forward hooks on each unit's module that swap its parameters
+    for views of the gathered unit (from the binding of the forward call that runs it).
+
+    Returns the unit modules (remembered on the root module, so a forward does not walk the
+    module tree again).
+    """
+    lay, root = state.layout, state.module
+    known = root.__dict__.get("_zfunc_units")
+    if known is not None and known[0] is lay:
+        return known[1]
     modules = _modules(state)
+    units = []
     for i, unit in enumerate(lay.units):
         if unit.name == "root":
             continue
         mod = modules[unit.name]
+        units.append(mod)
         if getattr(mod, "_zfunc_hooked", None) is lay:
             continue
         slots = [(s, *_owner(modules, s.name)) for s in unit.slots]
         mod.register_forward_pre_hook(_pre_hook(i, slots))
         mod.register_forward_hook(_post_hook(slots))
         mod._zfunc_hooked = lay
+    root._zfunc_units = (lay, units)
+    return units
 
 
 def _owner(modules: dict[str, torch.nn.Module], name: str) -> tuple[torch.nn.Module, str]:

@@ -105,10 +105,8 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
     # Update this rank's master, moments and compute copy in one pass.
     compute = state.compute if donate else state.compute.clone()
     aliased = state.params.untyped_storage().data_ptr() == state.compute.untyped_storage().data_ptr()
-    if aliased and state.stage < 3:
-        master = _master_view(compute, lay, state.stage)
-    elif aliased:
-        master = compute
+    if aliased:  # the master is (a view of) the compute buffer
+        master = compute if state.stage == 3 else _master_view(compute, lay, state.stage)
     else:
         master = state.params if donate else state.params.clone()
     mu = state.opt.mu if donate else state.opt.mu.clone()
@@ -129,7 +127,6 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
     # Gather the updated compute parameters where forward reads them in full.
     if state.stage in (1, 2):
         comm.all_gather_into(compute, _master_view(compute, lay, state.stage).clone(), group)
-    params = master if not aliased or state.stage == 3 else _master_view(compute, lay, state.stage)
 
     grads = state.grads.zero_() if donate else torch.zeros_like(state.grads)
     scaler = scaler_update(state.scaler, found_inf, cfg)
@@ -137,7 +134,7 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
     metrics = Metrics(loss=agreed[-2] / micro, grad_norm=grad_norm, loss_scale=state.scaler.scale,
                       skipped=found_inf, lr=lr)
     zero = torch.zeros((), dtype=torch.int64, device=state.device)
-    return state.replace(params=params, compute=compute, grads=grads,
+    return state.replace(params=master, compute=compute, grads=grads,
                          opt=AdamState(mu=mu, nu=nu, count=count), scaler=scaler,
                          step=state.step + 1, micro_step=zero, loss_sum=torch.zeros_like(state.loss_sum),
                          metrics=metrics)
