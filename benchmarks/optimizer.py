@@ -42,6 +42,7 @@ import zfunc_kernels
 
 INV_SCALE = 2.0**-16
 MAX_NORM = 1.0
+HYPER = zfunc_kernels.AdamHyper(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 PHASE_BYTES = 34
 ADAM_BYTES = 28
 
@@ -108,10 +109,9 @@ class Setup:
         norm = s[1].sqrt() * self.inv
         clip = torch.clamp(MAX_NORM / (norm + 1e-6), max=1.0)
         zfunc_kernels.fused_adam(
-            self.p, self.g, self.mu, self.nu, step=self.step, lr=self.lr, inv_scale=self.inv,
-            clip_coef=clip, found_inf=s[0], beta1=0.9, beta2=0.999, eps=1e-8,
-            weight_decay=0.01, compute=self.bf16,
-        )  # fmt: skip
+            self.p, self.g, self.mu, self.nu,
+            zfunc_kernels.StepScalars(self.step, self.lr, self.inv, clip, s[0]), HYPER, compute=self.bf16,
+        )
 
     # (b) torch composition
     def torch_phase(self) -> None:
@@ -124,10 +124,9 @@ class Setup:
     # (c) Adam alone
     def zfunc_adam(self) -> None:
         zfunc_kernels.fused_adam(
-            self.p, self.g, self.mu, self.nu, step=self.step, lr=self.lr, inv_scale=self.one,
-            clip_coef=self.one, found_inf=self.zero, beta1=0.9, beta2=0.999, eps=1e-8,
-            weight_decay=0.01,
-        )  # fmt: skip
+            self.p, self.g, self.mu, self.nu,
+            zfunc_kernels.StepScalars(self.step, self.lr, self.one, self.one, self.zero), HYPER,
+        )
 
     def torch_adam(self) -> None:
         self.opt.step()

@@ -13,7 +13,7 @@ import torch
 import zfunc
 from tests.helpers import MODELS, bitwise_equal, run_ranks, snapshot
 from zfunc.launch import World, WorldError
-from zfunc.state import gather_by_name
+from zfunc.create import gather_by_name
 
 GLOBAL = 6  # samples per step, split evenly over 1, 2 or 3 ranks
 

@@ -37,3 +37,34 @@ def test_import_emits_no_warnings():
     code = "import zfunc, zfunc_kernels, zfunc.models, zfunc.metrics"
     proc = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+
+
+def _resolve(dotted: str):
+    """The object a dotted ``zfunc...`` name denotes (importing submodules as needed)."""
+    import importlib
+
+    parts = dotted.split(".")
+    obj = importlib.import_module(parts[0])
+    for i, part in enumerate(parts[1:], start=1):
+        if hasattr(obj, part):
+            obj = getattr(obj, part)
+        else:
+            obj = importlib.import_module(".".join(parts[: i + 1]))
+    return obj
+
+
+def test_every_backticked_zfunc_name_in_the_docs_exists():
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    files = [*sorted((root / "docs").glob("*.md")), root / "README.md"]
+    pattern = re.compile(r"`((?:zfunc|zfunc_kernels)(?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
+    missing = []
+    for f in files:
+        for name in sorted(set(pattern.findall(f.read_text()))):
+            try:
+                _resolve(name)
+            except (ImportError, AttributeError):
+                missing.append(f"{f.name}: {name}")
+    assert not missing, missing

@@ -62,6 +62,15 @@ def scalars(lr: float = 0.01, inv_scale: float = 1.0, clip: float = 1.0, found: 
     )
 
 
+def adam(vectors: dict, sc: dict, weight_decay: float, *, decoupled: bool = True, backend: str | None = None) -> None:
+    """``zfunc_kernels.fused_adam`` with the vectors and scalars of these tests' dicts."""
+    v = dict(vectors)
+    zfunc_kernels.fused_adam(v.pop("master"), v.pop("grad"), v.pop("mu"), v.pop("nu"),
+                             zfunc_kernels.StepScalars(**sc),
+                             zfunc_kernels.AdamHyper(**HYPER, weight_decay=weight_decay, decoupled=decoupled),
+                             backend=backend, **v)
+
+
 def make_state(n: int, master: torch.dtype, grad: torch.dtype, moment: torch.dtype, seed: int = 0) -> dict:
     """Random Adam state with NaN, +-Inf, fp16 max and subnormals in the gradient."""
     gen = torch.Generator().manual_seed(seed)
@@ -135,7 +144,7 @@ def check_against_f64(
         s["grad"] = make_state(n, master, grad, moment, seed=100 + k)["grad"] * 1024
         p, m, v = adam_f64(s, sc, weight_decay=wd, decoupled=decoupled)
         step_before = int(sc["step"])
-        zfunc_kernels.fused_adam(**s, **sc, **HYPER, weight_decay=wd, decoupled=decoupled, backend=backend)
+        adam(s, sc, wd, decoupled=decoupled, backend=backend)
         assert int(sc["step"]) == step_before + 1
         assert_close_dtype(s["master"], p, f"master step {k}")
         assert_close_dtype(s["mu"], m, f"mu step {k}")
@@ -159,7 +168,7 @@ def torch_fused(dtype: torch.dtype, *, decoupled: bool, steps: int, n: int) -> t
         s["grad"] = make_state(n, dtype, dtype, dtype, seed=200 + k)["grad"] * 1024
         param.grad = (s["grad"].float() * sc["inv_scale"] * sc["clip_coef"]).to(dtype)
         opt.step()
-        zfunc_kernels.fused_adam(**s, **sc, **HYPER, weight_decay=0.1, decoupled=decoupled, backend="cpu")
+        adam(s, sc, 0.1, decoupled=decoupled, backend="cpu")
     st = opt.state[param]
     theirs = {"master": param.detach(), "mu": st["exp_avg"], "nu": st["exp_avg_sq"]}
     return {**s, "step": sc["step"]}, theirs, float(st["step"])
@@ -225,24 +234,24 @@ def test_found_inf_skips_the_whole_step(backend: str, found: float) -> None:
     sc = scalars(found=found)
     sc["step"].fill_(5)
     before = clone(s)
-    zfunc_kernels.fused_adam(**s, **sc, **HYPER, weight_decay=0.1, backend=backend)
+    adam(s, sc, 0.1, backend=backend)
     for key in ("master", "mu", "nu", "compute", "grad"):
         assert same_bits(s[key], before[key]), key
     assert int(sc["step"]) == 5
     sc["found_inf"].zero_()
-    zfunc_kernels.fused_adam(**s, **sc, **HYPER, weight_decay=0.1, backend=backend)
+    adam(s, sc, 0.1, backend=backend)
     assert int(sc["step"]) == 6 and not same_bits(s["master"], before["master"])
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_empty_vectors_and_autograd_versions(backend: str) -> None:
     s = make_state(0, F32, F32, F32)
     sc = scalars()
-    zfunc_kernels.fused_adam(**s, **sc, **HYPER, weight_decay=0.1, backend=backend)
+    adam(s, sc, 0.1, backend=backend)
     assert int(sc["step"]) == 1
     s = make_state(5, F32, F32, F32)
     s["compute"] = torch.empty(5, dtype=BF16)
     versions = {k: v._version for k, v in s.items()}
-    zfunc_kernels.fused_adam(**s, **scalars(), **HYPER, weight_decay=0.1, backend=backend)
+    adam(s, scalars(), 0.1, backend=backend)
     for key in ("master", "mu", "nu", "compute"):  # autograd sees the in-place writes
         assert s[key]._version > versions[key], key
     assert s["grad"]._version == versions["grad"]
@@ -253,8 +262,8 @@ def test_cpu_matches_torch_reference() -> None:
     s["compute"] = torch.empty(3001, dtype=BF16)
     r, sc, rc = clone(s), scalars(inv_scale=0.25, clip=0.6), scalars(inv_scale=0.25, clip=0.6)
     for _ in range(3):
-        zfunc_kernels.fused_adam(**s, **sc, **HYPER, weight_decay=0.1, backend="cpu")
-        zfunc_kernels.fused_adam(**r, **rc, **HYPER, weight_decay=0.1, backend="torch")
+        adam(s, sc, 0.1, backend="cpu")
+        adam(r, rc, 0.1, backend="torch")
     for key in ("master", "mu", "nu", "compute"):
         torch.testing.assert_close(s[key], r[key], equal_nan=True, rtol=1e-6, atol=1e-7)
     assert int(sc["step"]) == int(rc["step"]) == 3
@@ -264,7 +273,7 @@ def test_fused_adam_is_deterministic() -> None:
     s["compute"] = torch.empty(70_001, dtype=BF16)
     a, b = clone(s), clone(s)
     for t in (a, b):
-        zfunc_kernels.fused_adam(**t, **scalars(inv_scale=0.5), **HYPER, weight_decay=0.1)
+        adam(t, scalars(inv_scale=0.5), 0.1)
     for key in ("master", "mu", "nu", "compute"):
         assert same_bits(a[key], b[key]), key
 
@@ -350,16 +359,16 @@ def test_bad_arguments_raise() -> None:
     s = make_state(8, F32, F32, F32)
     sc = scalars()
     with pytest.raises(TypeError):
-        zfunc_kernels.fused_adam(**{**s, "mu": s["mu"].half()}, **sc, **HYPER, weight_decay=0.0)
+        adam({**s, "mu": s["mu"].half()}, sc, 0.0)
     with pytest.raises(ValueError):
-        zfunc_kernels.fused_adam(**{**s, "grad": s["grad"][:4]}, **sc, **HYPER, weight_decay=0.0)
+        adam({**s, "grad": s["grad"][:4]}, sc, 0.0)
     with pytest.raises(ValueError):
         bad_lr = {**sc, "lr": torch.tensor(0.1, dtype=torch.float64)}
-        zfunc_kernels.fused_adam(**s, **bad_lr, **HYPER, weight_decay=0.0)
+        adam(s, bad_lr, 0.0)
     with pytest.raises(ValueError):
-        zfunc_kernels.fused_adam(**s, **sc, **HYPER, weight_decay=0.0, backend="tpu")
+        adam(s, sc, 0.0, backend="tpu")
     with pytest.raises(RuntimeError):
-        zfunc_kernels.fused_adam(**s, **sc, **HYPER, weight_decay=0.0, backend="sim")
+        adam(s, sc, 0.0, backend="sim")
     with pytest.raises(ValueError):
         zfunc_kernels.overflow_sumsq(torch.zeros(3, 3))
     with pytest.raises(ValueError):
@@ -410,8 +419,8 @@ def test_cuda_matches_cpu_on_gpu() -> None:  # pragma: no cover - GPU only
         d = {k: v.cuda() for k, v in s.items()}
         sc = scalars(inv_scale=0.5, clip=0.7)
         dc = {k: v.cuda() for k, v in scalars(inv_scale=0.5, clip=0.7).items()}
-        zfunc_kernels.fused_adam(**s, **sc, **HYPER, weight_decay=0.1)
-        zfunc_kernels.fused_adam(**d, **dc, **HYPER, weight_decay=0.1)
+        adam(s, sc, 0.1)
+        adam(d, dc, 0.1)
         for key in s:
             torch.testing.assert_close(d[key].cpu(), s[key], equal_nan=True, **TOL[s[key].dtype])
         assert int(dc["step"]) == 1
@@ -440,15 +449,15 @@ def run_simulator_checks() -> dict[str, Any]:
         if compute is not None:
             s["compute"] = torch.empty(n, dtype=compute)
         c, sc, cc = clone(s), scalars(inv_scale=0.5, clip=0.8), scalars(inv_scale=0.5, clip=0.8)
-        zfunc_kernels.fused_adam(**s, **sc, **HYPER, weight_decay=0.1, backend="sim")
-        zfunc_kernels.fused_adam(**c, **cc, **HYPER, weight_decay=0.1, backend="cpu")
+        adam(s, sc, 0.1, backend="sim")
+        adam(c, cc, 0.1, backend="cpu")
         for key in s:
             assert same_bits(s[key], c[key]), f"sim and cpu differ in {key} for {master}"
     # An overflow step changes nothing.
     s = make_state(n, F32, F32, F32)
     s["compute"] = torch.zeros(n, dtype=BF16)
     before, sc = clone(s), scalars(found=1.0)
-    zfunc_kernels.fused_adam(**s, **sc, **HYPER, weight_decay=0.1, backend="sim")
+    adam(s, sc, 0.1, backend="sim")
     assert all(same_bits(s[k], before[k]) for k in s) and int(sc["step"]) == 0
     sumsq_cases = 0
     for dtype in (F32, BF16, F16):
@@ -471,3 +480,22 @@ def test_kernels_leave_torchs_thread_count_alone():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "1", out.stdout + out.stderr
+
+
+def test_the_kernel_cache_tracks_the_shared_math(monkeypatch) -> None:
+    """numba keys cached kernels on their own file; zfunc's locators add the shared math files,
+    so an edit of ``_math.py`` alone cannot load stale machine code."""
+    from numba.core import caching
+
+    from zfunc_kernels import _cache, _cpu
+
+    assert _cpu.CACHED  # tracking is installed, so the kernels are cached
+    impl = getattr(caching, "CacheImpl", None) or caching._CacheImpl
+    ours = [c for c in impl._locator_classes if getattr(c, "zfunc_tracks_math", False)]
+    assert ours, "the zfunc locators are not in numba's list"
+    locator = next(c.from_function(_cpu.adam_kernel.py_func, _cpu.__file__) for c in ours
+                   if c.from_function(_cpu.adam_kernel.py_func, _cpu.__file__) is not None)
+    stamp = locator.get_source_stamp()
+    monkeypatch.setattr(_cache, "_digest", lambda: "edited")
+    assert locator.get_source_stamp() != stamp  # a changed _math.py changes the cache key
+    assert ours[0].from_function(torch.add, torch.__file__) is None  # other packages' caches untouched

@@ -59,8 +59,8 @@ def _cfg(init, window, hysteresis, min_scale, consecutive):
 def _scales(cfg, overflows):
     s = scaler_init(cfg)
     out = []
-    for o in overflows:
-        s = scaler_update(s, torch.tensor(float(o)), cfg)
+    for t, o in enumerate(overflows):
+        s = scaler_update(s, torch.tensor(float(o)), cfg, torch.tensor(t))
         out.append(s.scale.item())
     return out, s
 
@@ -74,11 +74,11 @@ def test_matches_deepspeed_rule(init_pow, window, hysteresis, min_pow, consecuti
     ref = DeepSpeedRule(init, window, hysteresis, min_scale, consecutive)
     cfg = _cfg(init, window, hysteresis, min_scale, consecutive)
     s = scaler_init(cfg)
-    for o in overflows:
+    for t, o in enumerate(overflows):
         ref.update(o)
-        s = scaler_update(s, torch.tensor(float(o)), cfg)
-        assert (s.scale.item(), s.iteration.item(), s.last_overflow.item(), s.hysteresis.item(),
-                s.skipped.item()) == (ref.scale, ref.t, ref.last, ref.h, ref.skipped)
+        s = scaler_update(s, torch.tensor(float(o)), cfg, torch.tensor(t))
+        assert (s.scale.item(), s.last_overflow.item(), s.hysteresis.item(),
+                s.skipped.item()) == (ref.scale, ref.last, ref.h, ref.skipped)
 
 
 def test_doubles_every_window_without_overflow():

@@ -105,11 +105,11 @@ def test_activation_checkpointing_changes_nothing(ckpt):
             assert max(abs(x - y) for x, y in zip(a, c)) < 1e-6
 
 
-def test_module_is_freed_and_guarded():
+def test_a_donated_module_is_freed_and_guarded():
     model = Stack(2)
-    zfunc.init(model, zfunc.Config(stage=3, persist_threshold=0))
+    zfunc.init(model, zfunc.Config(stage=3, persist_threshold=0), donate=True)
     assert all(p.numel() == 0 for p in model.parameters())  # the shards are the parameters now
-    with pytest.raises(RuntimeError, match="holds stage-3 shards; call it through zfunc"):
+    with pytest.raises(RuntimeError, match="donated to a zfunc state"):
         model.blocks[0](torch.ones(1, 32))
 
 

@@ -1,79 +1,82 @@
-"""Gradients into the state: `backward_step`, `vjp` and `accumulate`.
+"""Gradients into the state: `backward_step`, `vjp` and `accumulate`, and the one micro-batch record.
 
-Forward binds the module to the state's parameters through `zfunc.comm.bind_unit`, whose
-backward delivers each unit's gradient to a *sink* leaf: full at stages 0-1, reduce-scattered to
-this rank's shard at stages 2-3. So any way of running backward gives the same gradients.
+Forward runs the module bound to the state (`zfunc.binding.BoundModel`): each unit's full
+parameters come from `zfunc.comm.unit_params`, whose backward delivers the unit's gradient to a
+*sink* leaf whose ``.grad`` is the state's gradient buffer (full at stages 0-1, this rank's
+reduce-scattered shard at stages 2-3). So any way of running backward gives the same gradients.
 
 The loss scale and the ``1 / (grad_accum * world)`` factor are applied to the cotangent entering
 the model outputs (and removed again from the cotangent leaving the model inputs), so a
 non-scalar backward with a user-given gradient is scaled too, and models compose.
+
+Every way of adding a micro-batch ends in `record_micro`: the micro-step count, the loss sum
+(NaN for a micro-batch whose loss zfunc was not given) and the new buffers, in one place.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.func import functional_call
 
 from zfunc import comm
 from zfunc._tree import tree
-from zfunc.gather import Binding
+from zfunc.binding import BoundModel, cotangent_factor
 from zfunc.state import TrainState
 
-__all__ = ["backward_step", "vjp", "accumulate", "bind", "cotangent_factor", "sinks_into", "grad_views"]
+__all__ = ["backward_step", "vjp", "accumulate", "record_micro", "check_room", "sinks_into", "grad_views",
+           "bind"]
 
 
-class _ScaleCotangent(torch.autograd.Function):
-    """Identity forward; backward multiplies the cotangent by ``factor`` (a device scalar)."""
+def check_room(state: TrainState, what: str) -> None:
+    """Refuse a micro-batch beyond ``grad_accum`` (it would silently enlarge the gradient).
 
-    @staticmethod
-    def forward(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
+    ``micro_step`` lives on the host, so this check never waits for a device.
 
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        ctx.save_for_backward(inputs[1])
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        (factor,) = ctx.saved_tensors
-        return grad * factor.to(grad.dtype), None
-
-
-def _scale_tree(x: Any, factor: torch.Tensor) -> tuple[Any, int]:
-    """``x`` with every differentiable tensor passed through `_ScaleCotangent`, and their count.
-
-    Mappings optree does not know (e.g. Hugging Face's ``ModelOutput``) are copied with their
-    values scaled, so their gradients are scaled too.
+    Examples:
+        >>> import torch, zfunc
+        >>> state = zfunc.init(torch.nn.Linear(1, 1), zfunc.Config(grad_accum=1))
+        >>> state = zfunc.accumulate(state, {})
+        >>> try:
+        ...     check_room(state, "backward_step")
+        ... except RuntimeError as e:
+        ...     print(str(e)[:74])
+        backward_step: grad_accum=1 micro-batches are accumulated already; call ap
     """
-    count = 0
-
-    def scale(t: Any) -> Any:
-        nonlocal count
-        if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point():
-            count += 1
-            return _ScaleCotangent.apply(t, factor)
-        if isinstance(t, Mapping) and not isinstance(t, torch.Tensor):
-            out = copy.copy(t)
-            for k in list(t.keys()):
-                out[k] = tree.map(scale, t[k])
-            return out
-        return t
-
-    return tree.map(scale, x), count
+    n, ga = int(state.micro_step), state.cfg.grad_accum
+    if n >= ga:
+        raise RuntimeError(
+            f"{what}: grad_accum={ga} micro-batches are accumulated already; call apply_step before the next "
+            f"one (or make grad_accum larger). A further micro-batch would add {n + 1}/{ga} of a gradient.")
 
 
-def _cast_floats(x: Any, dtype: torch.dtype) -> Any:
-    return tree.map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, x)
+def record_micro(state: TrainState, grads: torch.Tensor, *, loss: torch.Tensor | None = None,
+                 buffers: dict[str, torch.Tensor] | None = None) -> TrainState:
+    """The state after one more micro-batch: its gradients in ``grads``, its loss (or NaN when
+    not known) added to ``loss_sum``, ``micro_step + 1``, and the buffers its forward left.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> state = zfunc.init(torch.nn.Linear(1, 1), zfunc.Config())
+        >>> later = record_micro(state, state.grads, loss=torch.tensor(2.0))
+        >>> later.micro_step.item(), later.loss_sum.item(), state.micro_step.item()
+        (1, 2.0, 0)
+    """
+    value = (torch.full((), float("nan"), device=state.device) if loss is None
+             else loss.detach().reshape(()).to(torch.float32))
+    return state.replace(grads=grads, micro_step=state.micro_step + 1, loss_sum=state.loss_sum + value,
+                         buffers=state.buffers if buffers is None else buffers)
 
 
-def cotangent_factor(state: TrainState) -> torch.Tensor:
-    """``loss_scale / (grad_accum * world)``: what a model-output cotangent is multiplied by."""
-    return state.scaler.scale / (state.cfg.grad_accum * state.group.size)
+def bind(state: TrainState, sinks: Sequence[torch.Tensor], *, donate: bool = False) -> BoundModel:
+    """The module as a function of its inputs on ``state``'s parameters, gradients to ``sinks``.
+
+    Buffers are cloned for the call (the new values are the bound model's ``buffers``), or
+    updated in place with ``donate``.
+    """
+    buffers = dict(state.buffers) if donate else {n: b.clone() for n, b in state.buffers.items()}
+    return state.binding.bind(state, sinks, buffers)
 
 
 def grad_views(state: TrainState, grads: torch.Tensor) -> list[torch.Tensor]:
@@ -97,51 +100,16 @@ def sinks_into(state: TrainState, grads: torch.Tensor) -> list[torch.Tensor]:
     return sinks
 
 
-def bind(state: TrainState, sinks: Sequence[torch.Tensor]) -> Callable[..., Any]:
-    """The module as a function of its inputs, running on ``state``'s parameters.
-
-    Gradients of anything computed from its outputs reach ``sinks`` (see `sinks_into`).
-    """
-    lay, cfg, group = state.layout, state.cfg, state.group
-    factor = cotangent_factor(state)
-
-    def model(*args: Any, **kwargs: Any) -> Any:
-        tensors = dict(state.frozen)
-        if state.stage == 3:  # the root unit now; the others when their modules run
-            binding = Binding(state, sinks)
-            tensors.update(binding.root_views())
-            hooks = binding.saved_tensor_hooks()
-        else:
-            (unit,) = lay.units
-            full = comm.bind_unit(sinks[0], None, state.compute, group, cfg.reduce_dtype, state.stage == 2)
-            tensors.update(lay.views(unit, full))
-            hooks = contextlib.nullcontext()
-        if cfg.autocast is None and cfg.compute_dtype != torch.float32:
-            # Like FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True): a low-precision model
-            # takes its floating-point inputs in its own dtype.
-            args, kwargs = _cast_floats((args, kwargs), cfg.compute_dtype)
-        (args, kwargs), _ = _scale_tree((args, kwargs), 1 / factor)
-        ctx = (torch.autocast(state.device.type, dtype=cfg.autocast) if cfg.autocast
-               else contextlib.nullcontext())
-        with ctx, hooks:
-            out = functional_call(state.module, tensors, args, kwargs, tie_weights=True, strict=False)
-        scaled, count = _scale_tree(out, factor)
-        if count == 0 and torch.is_grad_enabled():
-            raise TypeError(
-                f"zfunc found no differentiable tensor in the model's output (a {type(out).__name__}) to "
-                "attach the loss scale and 1/(grad_accum * world) to; return tensors, or tuples, lists, "
-                "dicts or dataclasses registered with zfunc.tree")
-        return scaled
-
-    return model
-
-
 def backward_step(state: TrainState, loss_fn: Callable[..., Any], batch: Any, *,
                   has_aux: bool = False, donate: bool = False) -> tuple[TrainState, Any]:
     """Run ``loss_fn(model, batch)`` and accumulate its gradient into the state.
 
     One micro-batch: stage 2-3 gradients are reduce-scattered to their owners during backward;
-    stages 0-1 keep the full local gradient until `apply_step`.
+    stages 0-1 keep the full local gradient until `apply_step`. Buffers the forward updates
+    (BatchNorm's running statistics) come back in the new state's ``buffers``.
+
+    Raises:
+        RuntimeError: ``grad_accum`` micro-batches are accumulated already (call `apply_step`).
 
     Args:
         state: the `TrainState`.
@@ -149,7 +117,7 @@ def backward_step(state: TrainState, loss_fn: Callable[..., Any], batch: Any, *,
             ``model`` is the module bound to the state's parameters.
         batch: anything ``loss_fn`` takes.
         has_aux: ``loss_fn`` returns ``(loss, aux)``.
-        donate: reuse ``state``'s gradient buffer (``state`` must not be used again).
+        donate: reuse ``state``'s gradient buffer and buffers (``state`` must not be used again).
 
     Returns:
         ``(new_state, loss)``, or ``(new_state, (loss, aux))`` with ``has_aux``; ``loss`` is
@@ -166,8 +134,10 @@ def backward_step(state: TrainState, loss_fn: Callable[..., Any], batch: Any, *,
         >>> round(loss.item(), 4), state.micro_step.item()
         (0.0432, 1)
     """
+    check_room(state, "backward_step")
     grads = state.grads if donate else state.grads.clone()
-    out = loss_fn(bind(state, sinks_into(state, grads)), batch)
+    model = bind(state, sinks_into(state, grads), donate=donate)
+    out = loss_fn(model, batch)
     loss, aux = out if has_aux else (out, None)
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
         raise TypeError(f"loss_fn must return a scalar tensor{' first' if has_aux else ''}; "
@@ -175,7 +145,7 @@ def backward_step(state: TrainState, loss_fn: Callable[..., Any], batch: Any, *,
                                                         if isinstance(loss, torch.Tensor) else ""))
     loss.backward()  # into `grads` through the sinks (plain backward: reentrant checkpointing works)
     loss = loss.detach().reshape(())
-    new = state.replace(grads=grads, micro_step=state.micro_step + 1, loss_sum=state.loss_sum + loss.float())
+    new = record_micro(state, grads, loss=loss, buffers=model.buffers)
     return new, ((loss, aux) if has_aux else loss)
 
 
@@ -192,11 +162,18 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
         *args: inputs of ``fn``.
         argnums: positions in ``args`` whose cotangents the pullback also returns (they must be
             floating-point tensors), as `torch.func.vjp` would.
-        donate: the pullback may reuse ``state``'s gradient buffer.
+        donate: the pullback may reuse ``state``'s gradient buffer and buffers.
 
     Returns:
-        ``(out, pullback)``: ``out`` detached; ``pullback(cotangent, retain_graph=False)`` returns
-        the new state, or ``(new_state, arg_cotangents)`` when ``argnums`` is given.
+        ``(out, pullback)``: ``out`` detached; ``pullback(cotangent, retain_graph=False,
+        loss=None)`` returns the new state, or ``(new_state, arg_cotangents)`` when ``argnums``
+        is given. ``loss`` (optional) is the micro-batch's loss for ``metrics.loss`` (NaN
+        otherwise). Each call returns a state of its own, built from ``state``: calling a
+        pullback again (after ``retain_graph=True``) never changes an earlier result.
+
+    Raises:
+        RuntimeError: ``grad_accum`` micro-batches are accumulated already; or, from the
+            pullback, a second call after the graph was freed or with ``donate=True``.
 
     Examples:
         >>> import torch, zfunc
@@ -208,8 +185,9 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
         >>> out.shape, dx.shape, state.micro_step.item()
         (torch.Size([4, 3]), torch.Size([4, 2]), 1)
     """
-    grads = state.grads if donate else state.grads.clone()
-    sinks = sinks_into(state, grads)
+    check_room(state, "vjp")
+    first = state.grads if donate else state.grads.clone()
+    sinks = sinks_into(state, first)
     args = list(args)
     wrt = []
     for i in argnums:
@@ -218,10 +196,18 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
             raise TypeError(f"argnums: argument {i} must be a floating-point tensor")
         args[i] = a.detach().requires_grad_()
         wrt.append(args[i])
-    out = fn(bind(state, sinks), *args)
+    model = bind(state, sinks, donate=donate)
+    out = fn(model, *args)
     outs, spec = tree.flatten(out)
+    calls = {"n": 0, "retained": True}
 
-    def pullback(cotangent: Any, *, retain_graph: bool = False) -> Any:
+    def pullback(cotangent: Any, *, retain_graph: bool = False, loss: torch.Tensor | None = None) -> Any:
+        if calls["n"] and not calls["retained"]:
+            raise RuntimeError("pullback: called a second time, but the first call freed the graph; pass "
+                               "retain_graph=True to every call but the last to call a pullback again")
+        if calls["n"] and donate:
+            raise RuntimeError("pullback: a pullback of vjp(..., donate=True) may be called once (its "
+                               "gradient buffer is the donated state's); use donate=False to call it again")
         cots, cspec = tree.flatten(cotangent)
         if cspec != spec:
             raise ValueError(f"pullback: the cotangent's structure {cspec} differs from the output's {spec}")
@@ -229,8 +215,18 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
             if o.shape != c.shape:
                 raise ValueError(f"pullback: cotangent shape {list(c.shape)} differs from output shape "
                                  f"{list(o.shape)}")
+        if calls["n"]:  # an independent result: fresh gradient buffers behind the same sinks
+            grads = state.grads.clone()
+            for sink, part in zip(sinks, grad_views(state, grads)):
+                sink.grad = part
+        else:
+            grads = first
+        for a in wrt:
+            a.grad = None
+        calls["n"] += 1
+        calls["retained"] = retain_graph
         torch.autograd.backward(outs, cots, retain_graph=retain_graph)
-        new = state.replace(grads=grads, micro_step=state.micro_step + 1)
+        new = record_micro(state, grads, loss=loss, buffers=model.buffers)
         if not argnums:
             return new
         return new, tuple(torch.zeros_like(a) if a.grad is None else a.grad for a in wrt)
@@ -238,13 +234,15 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
     return tree.map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out), pullback
 
 
-def accumulate(state: TrainState, grads: dict[str, torch.Tensor], *, donate: bool = False) -> TrainState:
+def accumulate(state: TrainState, grads: dict[str, torch.Tensor], *, loss: torch.Tensor | None = None,
+               donate: bool = False) -> TrainState:
     """Add one micro-batch's gradients, computed elsewhere, to the state.
 
     ``grads`` maps parameter names (as ``model.named_parameters()``) to this rank's full local
     gradient of its micro-batch loss; missing names count as zero. They are treated exactly as
     `backward_step` treats its own: averaged over ranks and micro-batches, scaled by the loss
-    scale, and at stages 2-3 reduce-scattered now.
+    scale, and at stages 2-3 reduce-scattered now. ``loss``, if given, is the micro-batch's
+    loss for ``metrics.loss`` (NaN otherwise).
 
     Examples:
         >>> import torch, zfunc
@@ -253,6 +251,7 @@ def accumulate(state: TrainState, grads: dict[str, torch.Tensor], *, donate: boo
         >>> state.grads[:3].tolist(), state.micro_step.item()
         ([1.0, 1.0, 0.0], 1)
     """
+    check_room(state, "accumulate")
     lay, cfg = state.layout, state.cfg
     unknown = set(grads) - set(lay.names)
     if unknown:
@@ -273,4 +272,4 @@ def accumulate(state: TrainState, grads: dict[str, torch.Tensor], *, donate: boo
     grads = state.grads if donate else state.grads.clone()
     for part, g in zip(grad_views(state, grads), unit_grads):
         part.add_(g)
-    return state.replace(grads=grads, micro_step=state.micro_step + 1)
+    return record_micro(state, grads, loss=loss)

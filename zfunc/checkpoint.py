@@ -24,8 +24,9 @@ import torch.distributed.checkpoint as dcp
 
 from zfunc import comm
 from zfunc._tree import tree
-from zfunc.layout import Layout, Unit
-from zfunc.state import AdamState, TrainState, _master_view, full_params
+from zfunc.create import full_params
+from zfunc.layout import Layout, Unit, master_view
+from zfunc.state import AdamState, TrainState
 
 __all__ = ["save", "load", "export", "CheckpointError", "read_meta", "read_extra"]
 
@@ -121,7 +122,7 @@ def save(state: TrainState, path: str | os.PathLike, *, extra: dict[str, Any] | 
             for name, start, at, n in _overlaps(unit, lo, hi):
                 sd[f"p/{name}/{role}/{start}"] = owned.narrow(0, at, n).detach().cpu()
     sd.update(_scalars(state))
-    sd.update({f"f/{n}": t.detach().cpu() for n, t in state.frozen.items()})
+    sd.update({f"f/{n}": t.detach().cpu() for n, t in _replicated(state).items()})
     sd[f"rng/{group.rank}"] = torch.get_rng_state()
     if group.rank == 0:
         os.makedirs(tmp)
@@ -132,7 +133,7 @@ def save(state: TrainState, path: str | os.PathLike, *, extra: dict[str, Any] | 
         meta = {"format": _FORMAT, "world": group.size, "stage": state.stage,
                 "params": {s.name: list(s.shape) for u in state.layout.units for s in u.slots},
                 "master_dtype": str(state.params.dtype), "moment_dtype": str(state.opt.mu.dtype),
-                "frozen": sorted(state.frozen)}
+                "frozen": sorted(_replicated(state))}
         _write(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
         torch.save(extra or {}, os.path.join(tmp, "extra.pt"))
         _write(os.path.join(tmp, _MARKER), "ok\n")
@@ -183,8 +184,8 @@ def _check_fits(meta: dict[str, Any], like: TrainState, path: str) -> None:
     for key, have in (("master_dtype", like.params.dtype), ("moment_dtype", like.opt.mu.dtype)):
         if meta[key] != str(have):
             problems.append(f"{key} is {meta[key]} in the checkpoint but {have} in the state")
-    if sorted(like.frozen) != meta["frozen"]:
-        problems.append(f"frozen parameters/buffers differ: {meta['frozen'][:5]} vs {sorted(like.frozen)[:5]}")
+    if sorted(_replicated(like)) != meta["frozen"]:
+        problems.append(f"frozen parameters/buffers differ: {meta['frozen'][:5]} vs {sorted(_replicated(like))[:5]}")
     if problems:
         raise CheckpointError(f"{path} does not fit this state (a checkpoint of another model or "
                               f"configuration?): " + "; ".join(problems) + ". Nothing was loaded.")
@@ -234,7 +235,7 @@ def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True)
                         want[key] = torch.empty(size, dtype=stored[key].properties.dtype)
             plan.append((unit, at, name, start, n))
     scalars = {k: torch.empty_like(v) for k, v in _scalars(like).items()}
-    frozen = {f"f/{n}": torch.empty_like(t, device="cpu") for n, t in like.frozen.items()}
+    frozen = {f"f/{n}": torch.empty_like(t, device="cpu") for n, t in _replicated(like).items()}
     rng_key = f"rng/{group.rank}" if restore_rng and meta["world"] == group.size else None
     rng = {rng_key: torch.empty_like(torch.get_rng_state())} if rng_key else {}
     with _quiet():
@@ -259,7 +260,8 @@ def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True)
                 lo, hi = lay.owned(unit)
                 full = comm.all_gather(roles[role].narrow(0, lo, hi - lo), group)
                 roles[role].narrow(0, 0, unit.padded).copy_(full)
-    return _assemble(like, roles, {k[2:]: v.to(dev) for k, v in scalars.items()},
+    scalars = {k[2:]: v if k == "s/micro_step" else v.to(dev) for k, v in scalars.items()}  # a host counter
+    return _assemble(like, roles, scalars,
                      {k[2:]: v.to(dev) for k, v in frozen.items()}, rng.get(rng_key))
 
 
@@ -274,7 +276,7 @@ def _assemble(like: TrainState, roles: dict[str, torch.Tensor], s: dict[str, tor
             [comm.all_gather(lay.arena_slice(master, u), like.group) for u in lay.units])
         compute = full.to(cfg.compute_dtype)
         if compute.dtype == master.dtype:
-            master = _master_view(compute, lay, like.stage)
+            master = master_view(compute, lay, like.stage)
     scaler = tree.unflatten(tree.structure(like.scaler),
                             [s["scaler/" + "/".join(map(str, p))] for p in tree.paths(like.scaler)])
     metrics = tree.unflatten(tree.structure(like.metrics),
@@ -284,7 +286,13 @@ def _assemble(like: TrainState, roles: dict[str, torch.Tensor], s: dict[str, tor
     return like.replace(params=master, compute=compute, grads=torch.zeros_like(like.grads),
                         opt=AdamState(mu=roles["mu"], nu=roles["nu"], count=s["count"]),
                         scaler=scaler, metrics=metrics, step=s["step"], micro_step=s["micro_step"],
-                        loss_sum=s["loss_sum"], frozen=frozen)
+                        loss_sum=s["loss_sum"], frozen={n: frozen[n] for n in like.frozen},
+                        buffers={n: frozen[n] for n in like.buffers})
+
+
+def _replicated(state: TrainState) -> dict[str, torch.Tensor]:
+    """The tensors every rank holds whole: frozen parameters and buffers (stored under ``f/``)."""
+    return {**state.frozen, **state.buffers}
 
 
 def export(source: TrainState | str | os.PathLike, file: str | os.PathLike) -> str:
@@ -305,7 +313,7 @@ def export(source: TrainState | str | os.PathLike, file: str | os.PathLike) -> s
     from safetensors.torch import save_file
 
     if isinstance(source, TrainState):
-        weights = {**full_params(source), **source.frozen}
+        weights = {**full_params(source), **_replicated(source)}
         rank = source.group.rank
     else:
         weights, rank = _weights_from(os.fspath(source)), 0

@@ -4,22 +4,24 @@ A `Group` names the ranks of a ``torch.distributed`` process group (gloo on CPU,
 A world of one needs no process group: every collective is then the identity, so doctests and
 single-process runs work without ``torch.distributed`` initialised.
 
-The differentiable forms (`gather_params`, `reduce_grads`) are the whole of ZeRO in autograd:
-the transpose of an all-gather is a reduce-scatter, so gradients reach their owners in whatever
-way backward is started (``torch.autograd.grad``, ``loss.backward()``, ``out.backward(g)``).
+The differentiable `unit_params` is the whole of ZeRO in autograd: a unit's full parameters in
+forward (all-gathered at stage 3), its gradient delivered to a *sink* in backward (the transpose
+of the all-gather is a reduce-scatter), so gradients reach their owners in whatever way backward
+is started (``torch.autograd.grad``, ``loss.backward()``, ``out.backward(g)``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["Group", "world", "all_reduce", "reduce_scatter", "all_gather", "broadcast",
-           "all_gather_object", "bind_unit"]
+           "all_gather_object", "unit_params"]
 
 _OPS = {"sum": "SUM", "avg": "AVG", "max": "MAX", "min": "MIN"}
 
@@ -210,7 +212,7 @@ def all_gather_object(obj: Any, group: Group | None = None) -> list[Any]:
     return out
 
 
-class _Bind(torch.autograd.Function):
+class _UnitParams(torch.autograd.Function):
     """A unit's full flat parameters in forward; its gradient delivered to ``sink`` in backward.
 
     Forward returns ``full`` when it already exists (stages 0-2), else all-gathers ``shard``
@@ -238,7 +240,7 @@ class _Bind(torch.autograd.Function):
         return grad.to(ctx.sink_dtype), None, None, None, None, None
 
 
-def bind_unit(sink: torch.Tensor, shard: torch.Tensor | None, full: torch.Tensor | None,
+def unit_params(sink: torch.Tensor, shard: torch.Tensor | None, full: torch.Tensor | None,
               group: Group, reduce_dtype: torch.dtype, scatter: bool) -> torch.Tensor:
     """A unit's full flat parameters, differentiable with respect to ``sink``.
 
@@ -250,9 +252,21 @@ def bind_unit(sink: torch.Tensor, shard: torch.Tensor | None, full: torch.Tensor
         >>> import torch, zfunc
         >>> g = zfunc.comm.world()
         >>> sink = torch.zeros(()).expand(4).requires_grad_()
-        >>> full = zfunc.comm.bind_unit(sink, None, torch.arange(4.0), g, torch.float32, True)
+        >>> full = zfunc.comm.unit_params(sink, None, torch.arange(4.0), g, torch.float32, True)
         >>> (full * full).sum().backward()
         >>> sink.grad.tolist()
         [0.0, 2.0, 4.0, 6.0]
     """
-    return _Bind.apply(sink, shard, full, group, reduce_dtype, scatter)
+    return _UnitParams.apply(sink, shard, full, group, reduce_dtype, scatter)
+
+
+_DEPRECATED = {"bind_unit": ("unit_params", "0.3")}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DEPRECATED:
+        new, removal = _DEPRECATED[name]
+        warnings.warn(f"zfunc.comm.{name} is deprecated and will be removed in {removal}; use "
+                      f"zfunc.comm.{new}", DeprecationWarning, stacklevel=2)
+        return globals()[new]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

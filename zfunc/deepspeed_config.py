@@ -1,4 +1,7 @@
-"""DeepSpeed's JSON config turned into a `zfunc.Config` (``Config.from_deepspeed``).
+"""DeepSpeed's JSON config turned into the fields of a `zfunc.Config` and the batch sizes.
+
+`translate` reads a config once and returns both; ``Config.from_deepspeed`` and
+`zfunc.initialize` call it (this module imports no ``zfunc.config``: the dependency runs one way).
 
 The batch keys follow DeepSpeed's fill-in rules and its consistency check; ``optimizer``,
 ``scheduler``, ``fp16``, ``bf16``, ``torch_autocast``, ``data_types`` and ``zero_optimization``
@@ -19,9 +22,11 @@ from typing import Any
 import torch
 
 from zfunc import schedules
-from zfunc.config import AdamConfig, Config, ConfigError, DynamicLossScale
+from zfunc.errors import ConfigError
+from zfunc.optim import AdamConfig
+from zfunc.scaler import DynamicLossScale
 
-__all__ = ["from_deepspeed", "BatchSizes", "batch_sizes"]
+__all__ = ["translate", "BatchSizes", "batch_sizes"]
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "torch.float32": torch.float32,
            "fp16": torch.float16, "float16": torch.float16, "half": torch.float16, "torch.float16": torch.float16,
@@ -183,17 +188,18 @@ def _dtype(v: Any, path: str) -> torch.dtype:
     return _DTYPES[str(v)]
 
 
-def from_deepspeed(ds: Mapping[str, Any] | str | os.PathLike, world_size: int = 1) -> Config:
-    """A `Config` from a DeepSpeed config (a dict, or the path of a JSON file).
+def translate(ds: Mapping[str, Any] | str | os.PathLike,
+              world_size: int = 1) -> tuple[dict[str, Any], BatchSizes]:
+    """The `zfunc.Config` fields and the batch sizes of a DeepSpeed config (a dict or a JSON path).
 
     Examples:
-        >>> import zfunc
-        >>> cfg = zfunc.Config.from_deepspeed({
+        >>> from zfunc.deepspeed_config import translate
+        >>> fields, sizes = translate({
         ...     "train_batch_size": 32, "train_micro_batch_size_per_gpu": 8,
         ...     "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
         ...     "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}, world_size=2)
-        >>> cfg.stage, cfg.grad_accum, cfg.precision, cfg.clip, cfg.optimizer.decoupled
-        (2, 2, 'bf16', 1.0, True)
+        >>> fields["stage"], fields["grad_accum"], fields["precision"], fields["clip"], sizes.micro_batch_size
+        (2, 2, 'bf16', 1.0, 8)
     """
     if isinstance(ds, (str, os.PathLike)):
         with open(ds) as f:
@@ -260,8 +266,9 @@ def from_deepspeed(ds: Mapping[str, Any] | str | os.PathLike, world_size: int = 
     types = _section(ds, "data_types")
     accum = _dtype(types["grad_accum_dtype"], "data_types.grad_accum_dtype") if types.get("grad_accum_dtype") else master
     comm_dtype = ds.get("communication_data_type")
-    return Config(stage=stage, precision=precision, optimizer=optimizer, grad_accum=sizes.grad_accum,
+    fields = dict(stage=stage, precision=precision, optimizer=optimizer, grad_accum=sizes.grad_accum,
                   clip=clip or None, loss_scale=loss_scale, master_dtype=master, moment_dtype=moments,
                   grad_accum_dtype=accum,
                   comm_dtype=_dtype(comm_dtype, "communication_data_type") if comm_dtype else None,
                   autocast=autocast, lr_schedule=_scheduler(ds, optimizer.lr), persist_threshold=persist)
+    return fields, sizes

@@ -4,13 +4,16 @@ The engine holds one `TrainState` and calls the same functions a functional loop
 binds the module to the state through sink leaves whose ``.grad`` *is* the state's gradient
 buffer, so every way of running backward (``engine.backward(loss)``, ``loss.backward()``,
 ``out.backward(grad)``, one loss over several engines, ``retain_graph``) accumulates straight
-into the state; ``step()`` counts the micro-step and, at the boundary, runs `apply_step`
-donating the state. No hook counting and no private autograd API are involved.
+into the state; ``step()`` records the micro-batch (`zfunc.backward.record_micro`, the record
+every functional step uses) and, at the boundary, runs `apply_step` donating the state. No hook
+counting and no private autograd API are involved.
+
+The engine takes the module over: at stage 3 `zfunc.init` is called with ``donate=True`` (the
+module's own parameter storage is freed, as DeepSpeed's ZeRO-3 does).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -18,11 +21,14 @@ from typing import Any
 import torch
 
 from zfunc import comm
+from zfunc.backward import bind, record_micro, sinks_into
 from zfunc.checkpoint import load, read_extra, save
-from zfunc.backward import bind, sinks_into
-from zfunc.config import AdamConfig, Config, ConfigError
-from zfunc.deepspeed_config import BatchSizes, batch_sizes
-from zfunc.state import TrainState, init
+from zfunc.config import Config
+from zfunc.create import init
+from zfunc.deepspeed_config import BatchSizes, translate
+from zfunc.errors import ConfigError
+from zfunc.optim import AdamConfig
+from zfunc.state import TrainState
 from zfunc.update import apply_step
 
 __all__ = ["Engine", "initialize", "init_distributed", "add_config_arguments"]
@@ -55,7 +61,7 @@ class Engine:
         self._boundary: bool | None = None
         self._applied = False
         self._pending_loss: torch.Tensor | None = None
-        self.state = init(model, cfg, group)
+        self.state = init(model, cfg, group, donate=cfg.stage == 3)
         self.optimizer = _OptimizerView(self)
         self.lr_scheduler = _SchedulerView(self) if cfg.lr_schedule is not None else None
 
@@ -88,8 +94,10 @@ class Engine:
 
     # -- forward and backward ----------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's forward on the state's parameters (under autocast if configured)."""
-        return bind(self._state, self._sinks)(*args, **kwargs)
+        """The module's forward on the state's parameters (under autocast if configured).
+
+        Buffers (BatchNorm statistics) are updated in the state in place: the engine donates."""
+        return bind(self._state, self._sinks, donate=True)(*args, **kwargs)
 
     __call__ = forward
 
@@ -133,11 +141,9 @@ class Engine:
     def step(self, lr_kwargs: Mapping[str, Any] | None = None) -> None:
         """End a micro-step; at the accumulation boundary apply the optimizer step."""
         del lr_kwargs  # schedules are functions of the applied-step count, in the state
-        st = self._state
-        loss_sum = st.loss_sum if self._pending_loss is None else st.loss_sum + self._pending_loss
+        st = record_micro(self._state, self._state.grads, loss=self._pending_loss)
         self._pending_loss = None
         boundary = self.is_gradient_accumulation_boundary()
-        st = st.replace(micro_step=st.micro_step + 1, loss_sum=loss_sum)
         if boundary:
             st = apply_step(st, donate=True)
             self.global_samples += self._batch.train_batch_size if self._batch else 0
@@ -331,15 +337,11 @@ def initialize(model: torch.nn.Module, config: Mapping[str, Any] | str | os.Path
                           "'scheduler' section or zfunc.Config(lr_schedule=zfunc.schedules....)")
     group = group or comm.world()
     batch = None
-    if isinstance(config, (str, os.PathLike)):
-        with open(config) as f:
-            config = json.load(f)
     if isinstance(config, Config):
         cfg = config
     else:
-        config = config or {"train_micro_batch_size_per_gpu": 1}
-        cfg = Config.from_deepspeed(config, world_size=group.size)
-        batch = batch_sizes(config, group.size)
+        fields, batch = translate(config or {"train_micro_batch_size_per_gpu": 1}, world_size=group.size)
+        cfg = Config(**fields)
     if optimizer is not None:
         cfg = cfg.replace(optimizer=_optimizer_config(optimizer))
     if model_parameters is not None:

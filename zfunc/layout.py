@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from einops import rearrange
 
-__all__ = ["Slot", "Unit", "Layout", "make_layout"]
+__all__ = ["Slot", "Unit", "Layout", "make_layout", "master_view"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +87,10 @@ class Layout:
         """The ``[start, stop)`` range of ``unit``'s flat buffer that this rank owns."""
         return self.rank * unit.shard, (self.rank + 1) * unit.shard
 
+    def owned_start_len(self, unit: Unit) -> tuple[int, int]:
+        """`owned` as ``(start, length)``, the arguments of ``Tensor.narrow``."""
+        return self.rank * unit.shard, unit.shard
+
     def arena_slice(self, arena: torch.Tensor, unit: Unit) -> torch.Tensor:
         """``unit``'s part of a rank arena (a view)."""
         return arena.narrow(0, unit.arena_offset, unit.shard)
@@ -140,3 +144,18 @@ def make_layout(units: Sequence[Sequence[tuple[str, Sequence[int]]]], *, world: 
                         shard=padded // world, arena_offset=arena))
         arena += padded // world
     return Layout(units=tuple(out), world=world, rank=rank, align=align)
+
+
+def master_view(compute: torch.Tensor, layout: Layout, stage: int) -> torch.Tensor:
+    """This rank's master part of a full compute buffer, as a view (stages 0-2, one unit).
+
+    Examples:
+        >>> import torch
+        >>> lay = make_layout([[("w", (6,))]], world=2, rank=1, align=1)
+        >>> master_view(torch.arange(6.0), lay, stage=2).tolist()
+        [3.0, 4.0, 5.0]
+    """
+    if stage == 0:
+        return compute
+    (unit,) = layout.units
+    return compute.narrow(0, *layout.owned_start_len(unit))

@@ -17,12 +17,51 @@ minimum and keeps skipping, and ``metrics.skipped`` / ``ScalerState.skipped`` sa
 
 from __future__ import annotations
 
+import dataclasses
+from typing import TYPE_CHECKING
+
 import torch
 
 from zfunc._tree import dataclass
-from zfunc.config import Config, DynamicLossScale
+from zfunc.errors import check, is_finite_number, is_positive_int
 
-__all__ = ["ScalerState", "scaler_init", "scaler_update"]
+if TYPE_CHECKING:
+    from zfunc.config import Config
+
+__all__ = ["DynamicLossScale", "ScalerState", "scaler_init", "scaler_update"]
+
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest finite float32: a loss scale must stay below it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicLossScale:
+    """DeepSpeed's dynamic loss scale for fp16 (growth factor 2, hysteresis, minimum).
+
+    The scale starts at ``init``; after ``window`` clean steps it doubles; an overflow first
+    consumes hysteresis and then halves it, never below ``min_scale``.
+
+    Examples:
+        >>> import zfunc
+        >>> zfunc.DynamicLossScale(init=2.0**8, window=2).window
+        2
+    """
+
+    init: float = 2.0**16
+    window: int = 1000
+    hysteresis: int = 2
+    min_scale: float = 1.0
+    consecutive_hysteresis: bool = False
+
+    def __post_init__(self) -> None:
+        check(is_finite_number(self.init) and 0 < self.init <= FLOAT32_MAX,
+              "loss_scale.init", "a number in (0, 3.4e38]", self.init)
+        check(is_positive_int(self.window), "loss_scale.window", "a positive integer", self.window)
+        check(is_positive_int(self.hysteresis), "loss_scale.hysteresis", "a positive integer", self.hysteresis)
+        check(is_finite_number(self.min_scale) and 0 < self.min_scale <= FLOAT32_MAX,
+              "loss_scale.min_scale", "a number in (0, 3.4e38]", self.min_scale)
+        object.__setattr__(self, "init", float(self.init))
+        object.__setattr__(self, "min_scale", float(self.min_scale))
 
 
 @dataclass(frozen=True)
@@ -31,8 +70,8 @@ class ScalerState:
 
     Attributes:
         scale: the current loss scale (float32; exactly 1 when scaling is off).
-        iteration: optimizer updates seen (``t``).
-        last_overflow: ``t`` at the last overflow (``-1`` before any).
+        last_overflow: the optimizer step (``TrainState.step``, the ``t`` above) of the last
+            overflow (``-1`` before any).
         hysteresis: overflows still absorbed before the scale halves (``h``).
         skipped: steps skipped because of an overflow, in total.
 
@@ -44,7 +83,6 @@ class ScalerState:
     """
 
     scale: torch.Tensor
-    iteration: torch.Tensor
     last_overflow: torch.Tensor
     hysteresis: torch.Tensor
     skipped: torch.Tensor
@@ -68,11 +106,12 @@ def scaler_init(cfg: Config, device: torch.device | str = "cpu") -> ScalerState:
         return torch.tensor(v, dtype=torch.int64, device=device)
 
     return ScalerState(scale=torch.tensor(init, dtype=torch.float32, device=device),
-                       iteration=i64(0), last_overflow=i64(-1), hysteresis=i64(hyst), skipped=i64(0))
+                       last_overflow=i64(-1), hysteresis=i64(hyst), skipped=i64(0))
 
 
-def scaler_update(s: ScalerState, found_inf: torch.Tensor, cfg: Config) -> ScalerState:
-    """The scaler after one optimizer step whose gradients overflowed iff ``found_inf > 0``.
+def scaler_update(s: ScalerState, found_inf: torch.Tensor, cfg: Config, step: torch.Tensor) -> ScalerState:
+    """The scaler after optimizer step ``step`` (``t``: steps taken before it, skipped ones
+    included, i.e. ``TrainState.step``), whose gradients overflowed iff ``found_inf > 0``.
 
     Pure and branch-free on the device: no host sync.
 
@@ -81,8 +120,8 @@ def scaler_update(s: ScalerState, found_inf: torch.Tensor, cfg: Config) -> Scale
         >>> from zfunc.scaler import scaler_init, scaler_update
         >>> cfg = zfunc.Config(precision="fp16", loss_scale=zfunc.DynamicLossScale(init=16.0, hysteresis=1))
         >>> s = scaler_init(cfg)
-        >>> for overflow in [1, 1, 0]:
-        ...     s = scaler_update(s, torch.tensor(float(overflow)), cfg)
+        >>> for t, overflow in enumerate([1, 1, 0]):
+        ...     s = scaler_update(s, torch.tensor(float(overflow)), cfg, torch.tensor(t))
         ...     print(s.scale.item(), s.skipped.item())
         8.0 1
         4.0 2
@@ -92,8 +131,7 @@ def scaler_update(s: ScalerState, found_inf: torch.Tensor, cfg: Config) -> Scale
     skipped = s.skipped + overflow.to(torch.int64)
     ls = cfg.loss_scale
     if not isinstance(ls, DynamicLossScale):
-        return ScalerState(scale=s.scale, iteration=s.iteration + 1,
-                           last_overflow=torch.where(overflow, s.iteration, s.last_overflow),
+        return ScalerState(scale=s.scale, last_overflow=torch.where(overflow, step, s.last_overflow),
                            hysteresis=s.hysteresis, skipped=skipped)
     full = torch.full_like(s.hysteresis, ls.hysteresis)
     # Overflow branch.
@@ -101,7 +139,7 @@ def scaler_update(s: ScalerState, found_inf: torch.Tensor, cfg: Config) -> Scale
     halved = torch.clamp(s.scale / 2, min=ls.min_scale)
     h_after_overflow = torch.where(halve, s.hysteresis, s.hysteresis - 1)
     # Clean branch.
-    k = s.iteration - s.last_overflow - 1
+    k = step - s.last_overflow - 1
     grow = (~overflow) & (k > 0) & (k % ls.window == 0)
     if ls.consecutive_hysteresis:
         h_clean = full
@@ -109,6 +147,6 @@ def scaler_update(s: ScalerState, found_inf: torch.Tensor, cfg: Config) -> Scale
         h_clean = torch.where(grow, full, s.hysteresis)
     scale = torch.where(halve, halved, torch.where(grow, s.scale * 2, s.scale))
     hysteresis = torch.where(overflow, h_after_overflow, h_clean)
-    last = torch.where(overflow, s.iteration, s.last_overflow)
-    return ScalerState(scale=scale, iteration=s.iteration + 1, last_overflow=last,
+    last = torch.where(overflow, step, s.last_overflow)
+    return ScalerState(scale=scale, last_overflow=last,
                        hysteresis=hysteresis, skipped=skipped)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from zfunc.config import ConfigError
+from zfunc.errors import ConfigError
 
 __all__ = ["warmup_lr", "warmup_decay_lr", "warmup_cosine_lr"]
 

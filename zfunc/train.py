@@ -10,7 +10,7 @@ from einops import rearrange
 
 from zfunc._tree import tree
 from zfunc.backward import backward_step
-from zfunc.config import ConfigError
+from zfunc.errors import ConfigError
 from zfunc.state import TrainState
 from zfunc.update import apply_step
 

@@ -21,7 +21,8 @@ import torch
 import zfunc_kernels
 from zfunc import comm
 from zfunc.scaler import scaler_update
-from zfunc.state import AdamState, Metrics, TrainState, _master_view
+from zfunc.layout import master_view
+from zfunc.state import AdamState, Metrics, TrainState
 
 __all__ = ["apply_step", "learning_rate"]
 
@@ -88,7 +89,7 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
 
     # Check: found_inf and sum of squares of this rank's part, then agree across ranks.
     stats = zfunc_kernels.overflow_sumsq(grad)
-    local = torch.stack([state.loss_sum, state.micro_step.to(torch.float32)])
+    local = torch.stack([state.loss_sum, state.micro_step.to(state.device, torch.float32)])
     if state.stage == 0:  # every rank holds the whole reduced gradient already
         agreed = torch.cat([stats, comm.all_reduce(local, "sum", group)])
     else:
@@ -106,7 +107,7 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
     compute = state.compute if donate else state.compute.clone()
     aliased = state.params.untyped_storage().data_ptr() == state.compute.untyped_storage().data_ptr()
     if aliased:  # the master is (a view of) the compute buffer
-        master = compute if state.stage == 3 else _master_view(compute, lay, state.stage)
+        master = compute if state.stage == 3 else master_view(compute, lay, state.stage)
     else:
         master = state.params if donate else state.params.clone()
     mu = state.opt.mu if donate else state.opt.mu.clone()
@@ -117,24 +118,24 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
     elif state.stage in (0, 3):
         compute_out = compute
     else:  # this rank's slice of the full compute buffer, gathered below
-        compute_out = _master_view(compute, lay, state.stage)
+        compute_out = master_view(compute, lay, state.stage)
     opt = cfg.optimizer
-    zfunc_kernels.fused_adam(master, grad, mu, nu, step=count, lr=lr, inv_scale=inv_scale,
-                             clip_coef=clip_coef, found_inf=found_inf, beta1=opt.betas[0],
-                             beta2=opt.betas[1], eps=opt.eps, weight_decay=opt.weight_decay,
-                             decoupled=opt.decoupled, compute=compute_out)
+    hyper = zfunc_kernels.AdamHyper(beta1=opt.betas[0], beta2=opt.betas[1], eps=opt.eps,
+                                    weight_decay=opt.weight_decay, decoupled=opt.decoupled)
+    scalars = zfunc_kernels.StepScalars(step=count, lr=lr, inv_scale=inv_scale, clip_coef=clip_coef,
+                                        found_inf=found_inf)
+    zfunc_kernels.fused_adam(master, grad, mu, nu, scalars, hyper, compute=compute_out)
 
     # Gather the updated compute parameters where forward reads them in full.
     if state.stage in (1, 2):
-        comm.all_gather_into(compute, _master_view(compute, lay, state.stage).clone(), group)
+        comm.all_gather_into(compute, master_view(compute, lay, state.stage).clone(), group)
 
     grads = state.grads.zero_() if donate else torch.zeros_like(state.grads)
-    scaler = scaler_update(state.scaler, found_inf, cfg)
-    micro = agreed[-1].clamp(min=1.0)
-    metrics = Metrics(loss=agreed[-2] / micro, grad_norm=grad_norm, loss_scale=state.scaler.scale,
+    scaler = scaler_update(state.scaler, found_inf, cfg, state.step)
+    metrics = Metrics(loss=agreed[-2] / agreed[-1],  # NaN when no loss is known (or none was run)
+                      grad_norm=grad_norm, loss_scale=state.scaler.scale,
                       skipped=found_inf, lr=lr)
-    zero = torch.zeros((), dtype=torch.int64, device=state.device)
     return state.replace(params=master, compute=compute, grads=grads,
-                         opt=AdamState(mu=mu, nu=nu, count=count), scaler=scaler,
-                         step=state.step + 1, micro_step=zero, loss_sum=torch.zeros_like(state.loss_sum),
+                         opt=AdamState(mu=mu, nu=nu, count=count), scaler=scaler, step=state.step + 1,
+                         micro_step=torch.zeros_like(state.micro_step), loss_sum=torch.zeros_like(state.loss_sum),
                          metrics=metrics)

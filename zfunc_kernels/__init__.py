@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import functools
 import os
-from types import ModuleType
 
 import torch
 
 from zfunc_kernels import _reference
+from zfunc_kernels._records import AdamHyper, AdamVectors, Backend, StepScalars
 
 __all__ = [
+    "AdamHyper",
+    "StepScalars",
     "backend",
     "fused_adam",
     "overflow_sumsq",
@@ -73,7 +75,7 @@ def _resolve(name: str | None, t: torch.Tensor) -> str:
     return name
 
 
-def _impl(name: str) -> ModuleType:
+def _impl(name: str) -> Backend:
     if name == "torch":
         return _reference
     if name == "cpu":
@@ -109,17 +111,9 @@ def fused_adam(
     grad: torch.Tensor,
     mu: torch.Tensor,
     nu: torch.Tensor,
+    scalars: StepScalars,
+    hyper: AdamHyper,
     *,
-    step: torch.Tensor,
-    lr: torch.Tensor,
-    inv_scale: torch.Tensor,
-    clip_coef: torch.Tensor,
-    found_inf: torch.Tensor,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool = True,
     compute: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> None:
@@ -148,17 +142,10 @@ def fused_adam(
         grad: Gradient, same length and device (float32, bfloat16 or float16); read only.
         mu: First moment (float32 or bfloat16), updated.
         nu: Second moment (float32 or bfloat16), updated.
-        step: 0-dim int64, updates applied so far; incremented unless ``found_inf``.
-        lr: 0-dim float32 learning rate.
-        inv_scale: 0-dim float32, ``1 / loss_scale``.
-        clip_coef: 0-dim float32 gradient-clipping factor (1 for none).
-        found_inf: 0-dim float32; nonzero skips the whole step.
-        beta1: First-moment decay.
-        beta2: Second-moment decay.
-        eps: Denominator epsilon.
-        weight_decay: Weight decay.
-        decoupled: ``True`` for AdamW (``p *= 1 - lr * wd``), ``False`` for Adam
-            (``g += wd * p``). Defaults to ``True``.
+        scalars: `StepScalars`: ``step`` (0-dim int64, incremented unless ``found_inf``),
+            ``lr``, ``inv_scale``, ``clip_coef``, ``found_inf`` (0-dim float32, on the device).
+        hyper: `AdamHyper`: ``beta1``, ``beta2``, ``eps``, ``weight_decay``, ``decoupled``
+            (``True`` for AdamW, ``p *= 1 - lr * wd``; ``False`` for Adam, ``g += wd * p``).
         compute: Optional 1-D float32/bfloat16/float16 tensor receiving the updated
             ``master`` in its dtype. Defaults to ``None``.
         backend: ``None`` (by device), ``"cpu"``, ``"cuda"``, ``"sim"`` or ``"torch"``.
@@ -173,15 +160,15 @@ def fused_adam(
         >>> p = torch.tensor([1.0, -1.0]); g = torch.tensor([0.5, 0.5])
         >>> mu, nu = torch.zeros(2), torch.zeros(2)
         >>> step, bf = torch.tensor(0), torch.empty(2, dtype=torch.bfloat16)
-        >>> kw = dict(step=step, lr=torch.tensor(0.1), inv_scale=torch.tensor(0.5),
-        ...           clip_coef=torch.tensor(1.0), found_inf=torch.tensor(0.0),
-        ...           beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+        >>> hyper = zfunc_kernels.AdamHyper(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+        >>> scalars = zfunc_kernels.StepScalars(step=step, lr=torch.tensor(0.1), inv_scale=torch.tensor(0.5),
+        ...                                     clip_coef=torch.tensor(1.0), found_inf=torch.tensor(0.0))
         >>> for _ in range(3):
-        ...     zfunc_kernels.fused_adam(p, g, mu, nu, compute=bf, **kw)
+        ...     zfunc_kernels.fused_adam(p, g, mu, nu, scalars, hyper, compute=bf)
         >>> [round(x, 4) for x in p.tolist()], bf.tolist(), int(step)
         ([0.7, -1.3], [0.69921875, -1.296875], 3)
-        >>> kw["found_inf"] = torch.tensor(1.0)
-        >>> zfunc_kernels.fused_adam(p, g, mu, nu, compute=bf, **kw)
+        >>> skip = scalars._replace(found_inf=torch.tensor(1.0))
+        >>> zfunc_kernels.fused_adam(p, g, mu, nu, skip, hyper, compute=bf)
         >>> [round(x, 4) for x in p.tolist()], int(step)
         ([0.7, -1.3], 3)
 
@@ -195,17 +182,15 @@ def fused_adam(
     _check_vector("nu", nu, _MOMENT, n, dev)
     if compute is not None:
         _check_vector("compute", compute, _MASTER, n, dev)
-    _check_scalar("step", step, torch.int64, dev)
-    for name, s in (("lr", lr), ("inv_scale", inv_scale), ("clip_coef", clip_coef)):
-        _check_scalar(name, s, torch.float32, dev)
-    _check_scalar("found_inf", found_inf, torch.float32, dev)
+    scalars = StepScalars(*scalars)
+    for name, t in scalars._asdict().items():
+        _check_scalar(name, t, torch.int64 if name == "step" else torch.float32, dev)
+    h = AdamHyper(*hyper)
+    hyper = AdamHyper(float(h.beta1), float(h.beta2), float(h.eps), float(h.weight_decay), bool(h.decoupled))
     impl = _impl(_resolve(backend, master))
-    impl.fused_adam(
-        master, grad, mu, nu, compute, step, lr, inv_scale, clip_coef, found_inf,
-        float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled),
-    )  # fmt: skip
+    impl.fused_adam(AdamVectors(master, grad, mu, nu, compute), scalars, hyper)
     if impl is not _reference:  # kernels write behind autograd's back: tell it, as torch ops do
-        for t in (master, mu, nu, step) if compute is None else (master, mu, nu, step, compute):
+        for t in (master, mu, nu, scalars.step) if compute is None else (master, mu, nu, scalars.step, compute):
             torch.autograd.graph.increment_version(t)
 
 

@@ -4,8 +4,9 @@ numba keys a cached kernel on the content of the file that defines it. The kerne
 ``_cpu.py`` and ``_cuda.py`` compile in functions from ``_shared.py``, ``_codec.py`` and
 ``_math.py``, so an edit there alone would load stale machine code. :func:`track_shared_math`
 puts locators in front of numba's defaults that, for this package's files only, add a digest
-of those files to the cache key. If numba's (internal) caching API ever changes, it does
-nothing and numba behaves as before.
+of those files to the cache key. This extends numba's internal caching classes; if that API
+ever changes, :func:`track_shared_math` returns False and the kernels are compiled with
+``cache=False`` (slower start, never stale code). A test checks that tracking is active.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from zfunc_kernels._adapt import as_numpy
 from zfunc_kernels._cache import track_shared_math
 from zfunc_kernels._codec import load, quantize, store
 from zfunc_kernels._math import adam_constants, adam_element, square64
+from zfunc_kernels._records import AdamHyper, AdamVectors, StepScalars
 
 BLOCK = 1 << 14
 """Elements per parallel work item: 64 KiB of each float32 stream, sized for L2."""
@@ -38,10 +39,12 @@ elements ``j, j + LANES, ...`` in order; the lanes are then combined pairwise. T
 fixed by the code, not by the compiler or the machine, and the lane loop vectorises (numba
 leaves LLVM's SLP vectoriser off, so a few hand-unrolled accumulators would stay scalar)."""
 
-track_shared_math()
+CACHED = track_shared_math()
+"""Whether compiled kernels are cached on disk: only when the cache key covers the shared math
+(else every process compiles afresh rather than load stale machine code)."""
 
 _BLOCK_OPTS = dict(fastmath=False, error_model="numpy")
-_NJIT = dict(parallel=True, cache=True, nogil=True, **_BLOCK_OPTS)
+_NJIT = dict(parallel=True, cache=CACHED, nogil=True, **_BLOCK_OPTS)
 
 # --------------------------------------------------------------------------- primitives
 
@@ -154,13 +157,9 @@ def _fma32_cpu(a: Any, b: Any, c: Any) -> Any:
 def _adam_block(
     master: Any, grad: Any, mu: Any, nu: Any, compute: Any, inv: Any, clip: Any, c: tuple
 ) -> None:  # pragma: no cover - compiled
-    decay, l2, lerp_w, lerp_small, beta2, c2, bc2_sqrt, eps, neg_step = c
     for i in range(master.size):
         g = load(grad, i) * inv * clip
-        p, m, v = adam_element(
-            load(master, i), g, load(mu, i), load(nu, i),
-            decay, l2, lerp_w, lerp_small, beta2, c2, bc2_sqrt, eps, neg_step,
-        )
+        p, m, v = adam_element(load(master, i), g, load(mu, i), load(nu, i), c)
         store(master, i, p)
         store(mu, i, m)
         store(nu, i, v)
@@ -249,7 +248,7 @@ def _convert_block(src: Any, dst: Any) -> None:  # pragma: no cover - compiled
         store(dst, i, load(src, i))
 
 
-@numba.njit(cache=True, **_BLOCK_OPTS)
+@numba.njit(cache=CACHED, **_BLOCK_OPTS)
 def convert_kernel(src: Any, dst: Any) -> None:  # pragma: no cover - compiled
     """``dst[i] = src[i]`` between storage formats (round to nearest even); serial, for tests."""
     _convert_block(src, dst)
@@ -282,41 +281,21 @@ def torch_threads() -> Iterator[None]:
             torch.set_num_threads(before)
 
 
-def fused_adam(
-    master: torch.Tensor,
-    grad: torch.Tensor,
-    mu: torch.Tensor,
-    nu: torch.Tensor,
-    compute: torch.Tensor | None,
-    step: torch.Tensor,
-    lr: torch.Tensor,
-    inv_scale: torch.Tensor,
-    clip_coef: torch.Tensor,
-    found_inf: torch.Tensor,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool,
-) -> None:
+def fused_adam(vectors: AdamVectors, scalars: StepScalars, hyper: AdamHyper) -> None:
     """Runs :func:`adam_kernel` on CPU tensors (arguments as in ``zfunc_kernels.fused_adam``).
 
     Examples:
         >>> p, g = torch.ones(3), torch.full((3,), 2.0)
         >>> m, v, s = torch.zeros(3), torch.zeros(3), torch.tensor(0)
         >>> one, zero = torch.tensor(1.0), torch.tensor(0.0)
-        >>> fused_adam(p, g, m, v, None, s, torch.tensor(0.5), one, one, zero,
-        ...            0.9, 0.999, 1e-8, 0.0, True)
+        >>> fused_adam(AdamVectors(p, g, m, v), StepScalars(s, torch.tensor(0.5), one, one, zero),
+        ...            AdamHyper(0.9, 0.999, 1e-8, 0.0))
         >>> p.tolist(), int(s)
         ([0.5, 0.5, 0.5], 1)
     """
-    a = as_numpy
+    arrays = [None if t is None else as_numpy(t) for t in (*vectors, *scalars)]
     with torch_threads():
-        adam_kernel(
-            a(master), a(grad), a(mu), a(nu), None if compute is None else a(compute),
-            a(step), a(lr), a(inv_scale), a(clip_coef), a(found_inf),
-            float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled),
-        )  # fmt: skip
+        adam_kernel(*arrays, *hyper)
 
 
 def overflow_sumsq(x: torch.Tensor, out: torch.Tensor) -> None:

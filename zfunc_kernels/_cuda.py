@@ -29,6 +29,7 @@ from zfunc_kernels import _adapt, _shared
 from zfunc_kernels._cache import track_shared_math
 from zfunc_kernels._codec import load, quantize, store
 from zfunc_kernels._math import adam_constants, adam_element, square64
+from zfunc_kernels._records import AdamHyper, AdamVectors, StepScalars
 
 SIM = bool(numba.config.ENABLE_CUDASIM)
 THREADS = 8 if SIM else 256
@@ -51,7 +52,7 @@ if not SIM:
         _shared.register_with(_cuda_overload)
         import numba.cuda.core.caching as _cuda_caching
 
-        track_shared_math(_cuda_caching)
+        _CUDA_CACHE_TRACKED = track_shared_math(_cuda_caching)
 
     @_cuda_overload(_shared.f32_to_bits, strict=False)
     def _f32_to_bits_cuda(x: Any) -> Any:
@@ -66,9 +67,10 @@ if not SIM:
         return lambda a, b, c: cuda.fma(np.float32(a), np.float32(b), np.float32(c))
 
 
-track_shared_math()
+CACHED = track_shared_math() and globals().get("_CUDA_CACHE_TRACKED", True)
+"""Whether compiled kernels are cached on disk (only when the cache key covers the shared math)."""
 
-_JIT: dict[str, Any] = {} if SIM else {"cache": True}
+_JIT: dict[str, Any] = {} if SIM else {"cache": CACHED}
 
 
 @cuda.jit(**_JIT)
@@ -93,17 +95,12 @@ def adam_kernel(
     """Fused unscale + clip + Adam/AdamW + compute cast, one grid-stride loop, in place."""
     if found_inf[0] != np.float32(0.0):
         return
-    decay, l2, lerp_w, lerp_small, b2, c2, bc2_sqrt, e, neg_step = adam_constants(
-        step[0], lr[0], beta1, beta2, eps, weight_decay, decoupled
-    )
+    c = adam_constants(step[0], lr[0], beta1, beta2, eps, weight_decay, decoupled)
     inv = np.float32(inv_scale[0])
     clip = np.float32(clip_coef[0])
     for i in range(cuda.grid(1), master.size, cuda.gridsize(1)):
         g = load(grad, i) * inv * clip
-        p, m, v = adam_element(
-            load(master, i), g, load(mu, i), load(nu, i),
-            decay, l2, lerp_w, lerp_small, b2, c2, bc2_sqrt, e, neg_step,
-        )  # fmt: skip
+        p, m, v = adam_element(load(master, i), g, load(mu, i), load(nu, i), c)
         store(master, i, p)
         store(mu, i, m)
         store(nu, i, v)
@@ -194,34 +191,18 @@ def _check_device(t: torch.Tensor) -> None:
         raise ValueError("the cuda backend takes CUDA tensors")
 
 
-def fused_adam(
-    master: torch.Tensor,
-    grad: torch.Tensor,
-    mu: torch.Tensor,
-    nu: torch.Tensor,
-    compute: torch.Tensor | None,
-    step: torch.Tensor,
-    lr: torch.Tensor,
-    inv_scale: torch.Tensor,
-    clip_coef: torch.Tensor,
-    found_inf: torch.Tensor,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool,
-) -> None:
+def fused_adam(vectors: AdamVectors, scalars: StepScalars, hyper: AdamHyper) -> None:
     """Queues :func:`adam_kernel` and :func:`bump_step_kernel` (see ``zfunc_kernels``)."""
+    master = vectors.master
     _check_device(master)
-    arrays = _arrays(master, grad, mu, nu, compute, step, lr, inv_scale, clip_coef, found_inf)
-    m_, g_, mu_, nu_, c_, step_, lr_, inv_, clip_, inf_ = arrays
+    m_, g_, mu_, nu_, c_ = _arrays(*vectors)
+    step_, lr_, inv_, clip_, inf_ = _arrays(*scalars)
     if c_ is None:
         c_ = m_[:0]
     with _device(master):
         _launch(adam_kernel, _grid(master.numel()), master.device)(
-            m_, g_, mu_, nu_, c_, compute is not None, step_, lr_, inv_, clip_, inf_,
-            float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled),
-        )  # fmt: skip
+            m_, g_, mu_, nu_, c_, vectors.compute is not None, step_, lr_, inv_, clip_, inf_, *hyper
+        )
         _launch(bump_step_kernel, 1, master.device)(step_, inf_)
 
 

@@ -77,15 +77,7 @@ def adam_element(
     g: Any,
     m: Any,
     v: Any,
-    decay: Any,
-    l2: Any,
-    lerp_w: Any,
-    lerp_small: bool,
-    beta2: Any,
-    one_minus_beta2: Any,
-    bc2_sqrt: Any,
-    eps: Any,
-    neg_step: Any,
+    constants: tuple,
 ) -> tuple:
     """One Adam/AdamW update of one element, in float32, in torch's CPU fused order.
 
@@ -102,15 +94,12 @@ def adam_element(
         g: Unscaled, clipped gradient (float32).
         m: First moment (float32).
         v: Second moment (float32).
-        decay: ``float32(1 - lr * wd)`` for AdamW, else 1.
-        l2: ``float32(wd)`` for coupled Adam, else 0.
-        lerp_w: lerp coefficient (``1 - beta1``, or ``-beta1`` when ``1 - beta1 >= 0.5``).
-        lerp_small: Whether ``1 - beta1 < 0.5`` (selects the lerp base).
-        beta2: float32 beta2.
-        one_minus_beta2: ``float32(1 - beta2)``.
-        bc2_sqrt: ``float32(sqrt(1 - beta2**t))``.
-        eps: float32 epsilon.
-        neg_step: ``float32(-lr / (1 - beta1**t))``.
+        constants: the tuple of :func:`adam_constants`, unpacked here and nowhere else:
+            ``decay`` (``float32(1 - lr * wd)`` for AdamW, else 1), ``l2`` (``float32(wd)``
+            for coupled Adam, else 0), ``lerp_w`` (``1 - beta1``, or ``-beta1`` when
+            ``1 - beta1 >= 0.5``), ``lerp_small`` (whether ``1 - beta1 < 0.5``: the lerp base),
+            ``beta2``, ``one_minus_beta2``, ``bc2_sqrt`` (``sqrt(1 - beta2**t)``), ``eps`` and
+            ``neg_step`` (``-lr / (1 - beta1**t)``), all float32.
 
     Returns:
         ``(p, m, v)`` updated, float32.
@@ -118,10 +107,11 @@ def adam_element(
     Examples:
         >>> f = np.float32
         >>> c = adam_constants(0, f(0.1), 0.9, 0.999, 1e-8, 0.0, True)
-        >>> p, m, v = adam_element(f(1.0), f(2.0), f(0.0), f(0.0), *c)
+        >>> p, m, v = adam_element(f(1.0), f(2.0), f(0.0), f(0.0), c)
         >>> round(float(p), 6), round(float(m), 6), round(float(v), 6)
         (0.9, 0.2, 0.004)
     """
+    decay, l2, lerp_w, lerp_small, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step = constants
     if l2 != np.float32(0.0):
         gd = fma32(p, l2, g)
     else:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from zfunc_kernels._records import AdamHyper, AdamVectors, StepScalars
+
 _F32 = torch.float32
 _F64 = torch.float64
 
@@ -22,34 +24,21 @@ def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return (a.to(_F64) * b.to(_F64) + c.to(_F64)).to(_F32)
 
 
-def fused_adam(
-    master: torch.Tensor,
-    grad: torch.Tensor,
-    mu: torch.Tensor,
-    nu: torch.Tensor,
-    compute: torch.Tensor | None,
-    step: torch.Tensor,
-    lr: torch.Tensor,
-    inv_scale: torch.Tensor,
-    clip_coef: torch.Tensor,
-    found_inf: torch.Tensor,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool,
-) -> None:
+def fused_adam(vectors: AdamVectors, scalars: StepScalars, hyper: AdamHyper) -> None:
     """Reference Adam/AdamW step, in place (arguments as in ``zfunc_kernels.fused_adam``).
 
     Examples:
         >>> p, g = torch.ones(2), torch.tensor([2.0, -2.0])
         >>> m, v, s = torch.zeros(2), torch.zeros(2), torch.tensor(0)
         >>> one, zero = torch.tensor(1.0), torch.tensor(0.0)
-        >>> fused_adam(p, g, m, v, None, s, torch.tensor(0.25), one, one, zero,
-        ...            0.9, 0.999, 1e-8, 0.0, True)
+        >>> fused_adam(AdamVectors(p, g, m, v), StepScalars(s, torch.tensor(0.25), one, one, zero),
+        ...            AdamHyper(0.9, 0.999, 1e-8, 0.0))
         >>> p.tolist(), m.tolist(), int(s)
         ([0.75, 1.25], [0.20000000298023224, -0.20000000298023224], 1)
     """
+    master, grad, mu, nu, compute = vectors
+    step, lr, inv_scale, clip_coef, found_inf = scalars
+    beta1, beta2, eps, weight_decay, decoupled = hyper
     dev = master.device
 
     def f32(value: float) -> torch.Tensor:  # a float32 constant made on the device (no copy)

@@ -1,0 +1,385 @@
+"""The module binding, the one micro-batch record, and purity for buffers and pullbacks."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import math
+import pathlib
+import tempfile
+
+import pytest
+import torch
+from torch import nn
+
+import zfunc
+from tests.helpers import bitwise_equal, run_ranks, snapshot
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PRECISIONS = {"fp32": {}, "bf16": {"precision": "bf16"},
+              "fp16": {"precision": "fp16", "loss_scale": zfunc.DynamicLossScale(init=2.0**8)}}
+
+
+class BNNet(nn.Module):
+    """Linear -> BatchNorm -> Linear: a model with buffers (running statistics, a counter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Tanh()),
+                                     nn.Sequential(nn.Linear(6, 3))])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def bn_loss(model, batch):
+    return ((model(batch[0]).float() - batch[1]) ** 2).mean()
+
+
+def bn_batch(rank: int, i: int = 0):
+    g = torch.Generator().manual_seed(100 * i + rank)
+    return torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)
+
+
+def _config(stage: int, precision: str, **kw) -> zfunc.Config:
+    return zfunc.Config(stage=stage, persist_threshold=0, grad_accum=2, clip=1.0, **PRECISIONS[precision], **kw)
+
+
+# -- purity with buffers ---------------------------------------------------------------------
+
+def _bn_purity(rank: int, stage: int, precision: str) -> dict:
+    torch.manual_seed(0)
+    model = BNNet()
+    if rank == 1:  # a different local init: init must make the buffers equal (rank 0's)
+        with torch.no_grad():
+            model.blocks[0][1].running_mean.add_(1.0)
+    state = zfunc.init(model, _config(stage, precision))
+    init_mean = state.buffers["blocks.0.1.running_mean"].float().sum().item()
+    before = snapshot(state)
+    s1, _ = zfunc.backward_step(state, bn_loss, bn_batch(rank))
+    pure_bwd = bitwise_equal(before, snapshot(state))
+    mid = snapshot(s1)
+    s2 = zfunc.apply_step(s1)
+    pure_apply = bitwise_equal(mid, snapshot(s1))
+    d1, _ = zfunc.backward_step(state, bn_loss, bn_batch(rank), donate=True)
+    d2 = zfunc.apply_step(d1, donate=True)
+    name = "blocks.0.1.running_mean"
+    return {"pure": pure_bwd and pure_apply, "same": bitwise_equal(snapshot(s2), snapshot(d2)),
+            "moved": not torch.equal(s1.buffers[name], before_buffer(before, state, name)),
+            "counted": s1.buffers["blocks.0.1.num_batches_tracked"].item(),
+            "dtype": str(s1.buffers[name].dtype), "buffer0": s1.buffers[name].float().sum().item(),
+            "init_mean": init_mean}
+
+
+def before_buffer(before: list[torch.Tensor], state: zfunc.TrainState, name: str) -> torch.Tensor:
+    leaves = zfunc.tree.leaves(state)
+    index = next(i for i, t in enumerate(leaves) if t is state.buffers[name])
+    return before[index]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_buffers_are_new_leaves_and_the_input_stays_unchanged(precision):
+    for world in (1, 2):
+        for stage in (0, 1, 2, 3):
+            for r in run_ranks(_bn_purity, world, stage, precision):
+                assert r["pure"], (world, stage, precision)
+                assert r["same"], (world, stage, precision)
+                assert r["moved"] and r["counted"] == 1, r
+                assert r["dtype"] == {"fp32": "torch.float32", "bf16": "torch.bfloat16",
+                                      "fp16": "torch.float16"}[precision]
+                assert r["init_mean"] == 0.0  # rank 0's buffers everywhere
+
+
+def test_batchnorm_statistics_match_torch():
+    torch.manual_seed(0)
+    model = BNNet()
+    ref = BNNet()
+    ref.load_state_dict(model.state_dict())
+    state = zfunc.init(model, zfunc.Config(stage=2))
+    x, y = bn_batch(0)
+    state, loss = zfunc.backward_step(state, bn_loss, (x, y))
+    ref_loss = bn_loss(ref, (x, y))
+    assert abs(loss.item() - ref_loss.item()) < 1e-6
+    for name, b in ref.named_buffers():
+        assert torch.allclose(state.buffers[name], b, atol=1e-7), name
+    assert torch.equal(model.blocks[0][1].running_mean, torch.zeros(6))  # the module is untouched
+
+
+# -- pullbacks -----------------------------------------------------------------------------
+
+def test_pullback_calls_are_independent_or_refused():
+    torch.manual_seed(0)
+    state = zfunc.init(nn.Linear(3, 2), zfunc.Config(stage=0))
+    out, pullback = zfunc.vjp(state, lambda m, x: m(x), torch.ones(4, 3))
+    first = pullback(torch.ones_like(out), retain_graph=True)
+    second = pullback(torch.ones_like(out))
+    assert torch.equal(first.grads, second.grads) and first.grads is not second.grads
+    assert first.micro_step.item() == 1 and second.micro_step.item() == 1
+    assert state.grads.abs().sum().item() == 0  # the input state is untouched
+    with pytest.raises(RuntimeError, match="first call freed the graph"):
+        pullback(torch.ones_like(out))
+    out, pullback = zfunc.vjp(state, lambda m, x: m(x), torch.ones(4, 3), donate=True)
+    pullback(torch.ones_like(out), retain_graph=True)
+    with pytest.raises(RuntimeError, match="donate=True"):
+        pullback(torch.ones_like(out))
+
+
+# -- the micro-batch record -------------------------------------------------------------------
+
+def _loss_fn(model, x):
+    return model(x).pow(2).mean()
+
+
+def _loop_losses() -> dict[str, float]:
+    torch.manual_seed(0)
+    x = torch.ones(2, 3)
+    make = lambda: zfunc.init(nn.Linear(3, 1), zfunc.Config(stage=2, grad_accum=2))  # noqa: E731
+    out = {}
+    s = make()
+    for _ in range(2):
+        s, loss = zfunc.backward_step(s, _loss_fn, x)
+    out["backward_step"] = (zfunc.apply_step(s).metrics.loss.item(), loss.item())
+    s = make()
+    for _ in range(2):
+        y, pullback = zfunc.vjp(s, lambda m, x: m(x), x)
+        s = pullback(torch.ones_like(y))
+    out["vjp"] = zfunc.apply_step(s).metrics.loss.item()
+    s = make()
+    for _ in range(2):
+        y, pullback = zfunc.vjp(s, _loss_fn, x)
+        s = pullback(torch.ones_like(y), loss=y)
+    out["vjp_loss"] = (zfunc.apply_step(s).metrics.loss.item(), y.item())
+    s = make()
+    for _ in range(2):
+        s = zfunc.accumulate(s, {"weight": torch.ones(1, 3)})
+    out["accumulate"] = zfunc.apply_step(s).metrics.loss.item()
+    s = zfunc.accumulate(make(), {"weight": torch.ones(1, 3)}, loss=torch.tensor(3.0))
+    s = zfunc.accumulate(s, {"weight": torch.ones(1, 3)}, loss=torch.tensor(5.0))
+    out["accumulate_loss"] = zfunc.apply_step(s).metrics.loss.item()
+    for style in ("backward", "loss.backward"):
+        torch.manual_seed(0)
+        engine, *_ = zfunc.initialize(model=nn.Linear(3, 1), config={
+            "train_batch_size": 4, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 2}})
+        for _ in range(2):
+            loss = _loss_fn(engine, x)
+            engine.backward(loss) if style == "backward" else loss.backward()
+            engine.step()
+        out[style] = (engine.state.metrics.loss.item(), loss.item())
+    out["nothing"] = zfunc.apply_step(make()).metrics.loss.item()
+    return out
+
+
+def test_metrics_loss_after_each_loop_style():
+    got = _loop_losses()
+    mean, last = got["backward_step"]
+    assert mean == pytest.approx(last)  # both micro-batches are the same data
+    assert math.isnan(got["vjp"]) and math.isnan(got["accumulate"]) and math.isnan(got["loss.backward"][0])
+    assert got["vjp_loss"][0] == pytest.approx(got["vjp_loss"][1])
+    assert got["accumulate_loss"] == 4.0
+    assert got["backward"][0] == pytest.approx(got["backward"][1])
+    assert math.isnan(got["nothing"])  # a step with no micro-batch knows no loss
+
+
+def test_more_micro_batches_than_grad_accum_are_refused():
+    state = zfunc.init(nn.Linear(3, 1), zfunc.Config(grad_accum=2))
+    for _ in range(2):
+        state, _ = zfunc.backward_step(state, _loss_fn, torch.ones(2, 3))
+    before = snapshot(state)
+    with pytest.raises(RuntimeError, match=r"backward_step: grad_accum=2 micro-batches are accumulated"):
+        zfunc.backward_step(state, _loss_fn, torch.ones(2, 3))
+    with pytest.raises(RuntimeError, match="vjp: grad_accum=2"):
+        zfunc.vjp(state, lambda m, x: m(x), torch.ones(2, 3))
+    with pytest.raises(RuntimeError, match="accumulate: grad_accum=2"):
+        zfunc.accumulate(state, {})
+    assert bitwise_equal(before, snapshot(state))
+    state = zfunc.apply_step(state)
+    state, _ = zfunc.backward_step(state, _loss_fn, torch.ones(2, 3))  # room again after the step
+    assert state.micro_step.item() == 1
+
+
+# -- cotangents of outputs outside the pytree -------------------------------------------------
+
+@dataclasses.dataclass
+class Extra:  # not registered with zfunc.tree
+    value: torch.Tensor
+    note: str = "x"
+
+
+class TwoHeads(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.mean = nn.Linear(3, 2)
+        self.scale = nn.Linear(3, 2)
+
+    def forward(self, x):
+        if self.kind == "dataclass":
+            return self.mean(x), Extra(self.scale(x))
+        return torch.distributions.Normal(self.mean(x), nn.functional.softplus(self.scale(x)) + 0.1)
+
+
+def _objective(kind, out, y):
+    if kind == "dataclass":
+        return ((out[0] - y) ** 2).mean() + out[1].value.pow(2).mean()
+    return -out.log_prob(y).mean()
+
+
+@pytest.mark.parametrize("kind", ["dataclass", "distribution"])
+def test_objects_in_the_output_get_the_cotangent_factor(kind):
+    torch.manual_seed(0)
+    model = TwoHeads(kind)
+    ref = TwoHeads(kind)
+    ref.load_state_dict(model.state_dict())
+    state = zfunc.init(model, zfunc.Config(stage=0, grad_accum=4))
+    data = [(torch.randn(4, 3), torch.randn(4, 2)) for _ in range(4)]
+    for x, y in data:
+        state, _ = zfunc.backward_step(state, lambda m, b: _objective(kind, m(b[0]), b[1]), (x, y))
+        (_objective(kind, ref(x), y) / 4).backward()
+    unit = state.layout.units[0]
+    grads = state.layout.views(unit, state.grads.narrow(0, 0, unit.padded))
+    for name, p in ref.named_parameters():
+        assert torch.allclose(grads[name], p.grad, atol=1e-6), (name, (grads[name] / p.grad).flatten()[:3])
+
+
+class Slotted:
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+class SlottedOut(nn.Linear):
+    def forward(self, x):
+        return Slotted(super().forward(x))
+
+
+def test_an_output_zfunc_cannot_scale_is_refused_by_type():
+    state = zfunc.init(SlottedOut(3, 2), zfunc.Config(stage=0))
+    with pytest.raises(TypeError, match=r"Slotted\.value \(a __slots__ attribute\)"):
+        zfunc.backward_step(state, lambda m, x: m(x).value.sum(), torch.ones(1, 3))
+    assert state.micro_step.item() == 0
+
+
+# -- the module stays the user's -----------------------------------------------------------
+
+def _stack() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 1))
+
+
+def _bound_attrs(obj: nn.Module) -> list[str]:
+    found = []
+    for name, mod in obj.named_modules():
+        found += [f"{name}.{k}" for k in vars(mod) if k.startswith("_zfunc")]
+    for name, t in [*obj.named_parameters(), *obj.named_buffers()]:
+        found += [f"{name}.{k}" for k in getattr(t, "__dict__", {}) if k.startswith("_zfunc")]
+    return found
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_init_leaves_the_module_usable(stage):
+    model = _stack()
+    x = torch.randn(2, 4)
+    expected = model(x).detach()
+    cfg = zfunc.Config(stage=stage, units=["0", "2"], persist_threshold=0, optimizer=zfunc.adamw(lr=0.1))
+    first = zfunc.init(model, cfg)
+    first, _ = zfunc.backward_step(first, _loss_fn, x)
+    first = zfunc.apply_step(first)
+    assert torch.equal(model(x), expected)                   # plain torch, original weights
+    second = zfunc.init(model, cfg)                          # a second init of the same module
+    assert torch.equal(zfunc.full_params(second)["0.weight"], model[0].weight.detach())
+    with tempfile.TemporaryDirectory() as d:
+        path = zfunc.save(first, d + "/ckpt")
+        loaded = zfunc.load(path, like=zfunc.init(model, cfg))
+    assert all(torch.equal(a, b) for a, b in zip(zfunc.full_params(loaded).values(),
+                                                 zfunc.full_params(first).values()))
+    second, _ = zfunc.backward_step(second, _loss_fn, x)     # both states still train
+    loaded, _ = zfunc.backward_step(loaded, _loss_fn, x)
+    assert _bound_attrs(model) == []
+    for s in (first, second, loaded):
+        s.binding.remove()
+    assert all(len(m._forward_pre_hooks) == 0 and len(m._forward_hooks) == 0 for m in model.modules())
+    assert torch.equal(model(x), expected)
+
+
+def test_a_donated_module_is_refused_clearly():
+    model = _stack()
+    state = zfunc.init(model, zfunc.Config(stage=3, units=["0", "2"], persist_threshold=0), donate=True)
+    assert all(p.numel() == 0 for p in model.parameters())
+    with pytest.raises(RuntimeError, match=r"donated to a zfunc state \(init\(\.\.\., donate=True\)\)"):
+        model(torch.ones(1, 4))
+    with pytest.raises(zfunc.ConfigError, match="donated to another zfunc state"):
+        zfunc.init(model, zfunc.Config(stage=3))
+    state, _ = zfunc.backward_step(state, _loss_fn, torch.ones(2, 4))
+    assert state.micro_step.item() == 1
+
+
+def _engine_attrs(rank: int, stage: int) -> list[str]:
+    model = _stack()
+    engine, *_ = zfunc.initialize(model=model, config={"train_batch_size": 2 * zfunc.comm.world().size,
+                                                       "zero_optimization": {"stage": stage}})
+    for _ in range(2):
+        loss = _loss_fn(engine, torch.randn(2, 4))
+        loss.backward()
+        engine.step()
+    state = zfunc.init(_stack(), zfunc.Config(stage=stage))
+    step = zfunc.train_step(_loss_fn)
+    other = state.module
+    state = step(state, torch.randn(2, 4))
+    return _bound_attrs(model) + _bound_attrs(other)
+
+
+def test_no_zfunc_attributes_on_user_objects():
+    for stage in (0, 1, 2, 3):
+        for found in run_ranks(_engine_attrs, 2, stage):
+            assert found == [], found
+
+
+# -- module structure -----------------------------------------------------------------------
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """Every zfunc module ``path`` imports, at module level or inside functions."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("zfunc"):
+            if node.module == "zfunc":
+                found |= {f"zfunc.{a.name}" for a in node.names}
+            else:
+                found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("zfunc.")}
+    return found
+
+
+def _runtime_imports(path: pathlib.Path) -> set[str]:
+    """As `_imports`, leaving out imports under ``if TYPE_CHECKING:`` (types only)."""
+    tree = ast.parse(path.read_text())
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            skip |= {id(n) for n in ast.walk(node)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("zfunc."):
+            found.add(node.module)
+    return found
+
+
+def test_state_is_data_and_zfunc_has_no_import_circle():
+    modules = {f"zfunc.{p.stem}": p for p in (ROOT / "zfunc").glob("*.py") if p.stem != "__init__"}
+    assert _runtime_imports(modules["zfunc.state"]) <= {"zfunc._tree"}
+    graph = {m: {d for d in _runtime_imports(p) if d in modules} for m, p in modules.items()}
+
+    def visit(m: str, path: list[str]) -> None:
+        for d in graph[m]:
+            assert d not in path, "import circle: " + " -> ".join([*path, d])
+            visit(d, [*path, d])
+
+    for m in graph:
+        visit(m, [m])
+    assert "zfunc.config" not in _imports(modules["zfunc.deepspeed_config"])
+    assert _imports(modules["zfunc.errors"]) == set()

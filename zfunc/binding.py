@@ -1,0 +1,229 @@
+"""The module bound to a layout: how a forward call reaches the state's parameters.
+
+A `ModuleBinding` is made once per (module, layout) by `zfunc.init` and is static metadata of
+the state. It owns everything zfunc adds to the user's module: at stage 3 a forward pre-hook and
+post-hook on each unit module (they gather the unit for the call that runs it), and, when the
+module was donated (``init(..., donate=True)``), a guard that refuses direct calls. Its
+`ModuleBinding.remove` takes all of it away again. Per-call context (which state, which sinks)
+travels in a context variable, never in attributes of the user's modules or tensors.
+
+`ModuleBinding.bind` gives a `BoundModel`: the module as a function of its inputs, running on
+one state's tensors through `torch.func.functional_call`, with the cotangent factor on its
+outputs (`zfunc.cotangent`) and its buffers' new values kept for the state that follows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.func import functional_call
+from torch.utils.hooks import RemovableHandle
+
+from zfunc import comm
+from zfunc._tree import tree
+from zfunc.cotangent import scale_tree
+from zfunc.gather import UnitGatherer
+from zfunc.layout import Layout
+
+if TYPE_CHECKING:
+    from zfunc.state import TrainState
+
+__all__ = ["ModuleBinding", "BoundModel", "donated_binding"]
+
+# The forward call running now (set by `BoundModel.__call__`).
+_CURRENT: contextvars.ContextVar[BoundModel | None] = contextvars.ContextVar("zfunc_call", default=None)
+# Modules whose parameter storage `init(..., donate=True)` took, and the binding that took it.
+_DONATED: weakref.WeakKeyDictionary[torch.nn.Module, ModuleBinding] = weakref.WeakKeyDictionary()
+
+
+def donated_binding(module: torch.nn.Module) -> ModuleBinding | None:
+    """The binding that owns ``module``'s parameters, if ``module`` was donated to one.
+
+    Examples:
+        >>> import torch
+        >>> donated_binding(torch.nn.Linear(1, 1)) is None
+        True
+    """
+    return _DONATED.get(module)
+
+
+def _in_backward() -> bool:
+    # Read-only query of autograd's engine (no public equivalent): a graph task is running, i.e.
+    # reentrant activation checkpointing is recomputing a forward inside backward.
+    return torch._C._current_graph_task_id() != -1
+
+
+class ModuleBinding:
+    """``module`` bound to ``layout``: the hooks zfunc adds to it, and `bind` for forward calls.
+
+    Args:
+        module: the user's module.
+        layout: the state's `zfunc.layout.Layout`.
+        stage: the ZeRO stage (hooks are installed at stage 3 only).
+
+    Examples:
+        >>> import torch, zfunc
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+        >>> state = zfunc.init(model, zfunc.Config(stage=3, units=["0"], persist_threshold=0))
+        >>> len(model[0]._forward_pre_hooks)
+        1
+        >>> state.binding.remove()
+        >>> len(model[0]._forward_pre_hooks), model(torch.ones(1, 2)).shape
+        (0, torch.Size([1, 1]))
+    """
+
+    def __init__(self, module: torch.nn.Module, layout: Layout, stage: int):
+        self.module, self.layout, self.stage = module, layout, stage
+        self.donated = False
+        self._handles: list[RemovableHandle] = []
+        self._latest: weakref.ref[UnitGatherer] | None = None
+        # Stage-3 unit parameters by name, so the enclosing functional_call restores them.
+        self.unit_params: dict[str, torch.Tensor] = {}
+        if stage == 3:
+            self._install_unit_hooks()
+
+    def _install_unit_hooks(self) -> None:
+        modules = dict(self.module.named_modules())
+        named = dict(self.module.named_parameters())
+        for i, unit in enumerate(self.layout.units):
+            if unit.name == "root":
+                continue
+            slots = []
+            for s in unit.slots:
+                parent, _, attr = s.name.rpartition(".")
+                slots.append((s, modules[parent], attr))
+                self.unit_params[s.name] = named[s.name]
+            mod = modules[unit.name]
+            self._handles.append(mod.register_forward_pre_hook(self._enter_hook(i, slots)))
+            self._handles.append(mod.register_forward_hook(self._leave_hook(i)))
+
+    def _call(self) -> UnitGatherer | None:
+        """The stage-3 call of this binding that a unit module running now belongs to."""
+        call = _CURRENT.get()
+        if call is not None:
+            return call.gatherer if call.state.binding is self else None
+        if self._latest is not None and _in_backward():
+            return self._latest()
+        return None
+
+    def _enter_hook(self, i: int, slots: list) -> Any:
+        def hook(mod: torch.nn.Module, args: Any) -> None:
+            call = self._call()
+            if call is not None:
+                call.enter(i, slots)
+            elif self.donated:
+                self._refuse()
+
+        return hook
+
+    def _leave_hook(self, i: int) -> Any:
+        def hook(mod: torch.nn.Module, args: Any, out: Any) -> None:
+            call = self._call()
+            if call is not None:
+                call.leave(i)
+
+        return hook
+
+    def _refuse(self, *_: Any) -> None:
+        if _CURRENT.get() is None and not _in_backward():
+            raise RuntimeError(
+                f"{type(self.module).__name__} was donated to a zfunc state (init(..., donate=True)): its "
+                "parameters live in the state now. Run it through zfunc (backward_step, vjp, train_step "
+                "or the engine), or read the weights with zfunc.full_params")
+
+    def donate(self) -> None:
+        """Free the module's own parameter storage (the state holds the parameters) and refuse
+        direct calls from now on. What ``init(..., donate=True)`` does."""
+        if self.module in _DONATED:
+            return
+        for p in self.module.parameters():
+            if p.requires_grad:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self._handles.append(self.module.register_forward_pre_hook(self._refuse))
+        self.donated = True
+        _DONATED[self.module] = self
+
+    def remove(self) -> None:
+        """Take every hook zfunc added to the module away (a donated module stays empty)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.unit_params = {}
+
+    def bind(self, state: TrainState, sinks: Sequence[torch.Tensor],
+             buffers: dict[str, torch.Tensor]) -> BoundModel:
+        """The module as a function of its inputs on ``state``'s parameters and ``buffers``."""
+        return BoundModel(state, list(sinks), buffers)
+
+
+class BoundModel:
+    """The module as a function of its inputs, running on one state's tensors.
+
+    Gradients of anything computed from its outputs reach ``sinks`` (see
+    `zfunc.backward.sinks_into`). ``buffers`` (cloned by the caller unless donated) receive
+    the buffers' new values, e.g. BatchNorm running statistics, for the state that follows.
+    """
+
+    def __init__(self, state: TrainState, sinks: list[torch.Tensor], buffers: dict[str, torch.Tensor]):
+        self.state, self.sinks, self.buffers = state, sinks, buffers
+        self.gatherer: UnitGatherer | None = None  # stage 3, during a call
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        state = self.state
+        lay, cfg, binding = state.layout, state.cfg, state.binding
+        factor = cotangent_factor(state)
+        tensors = {**binding.unit_params, **state.frozen, **self.buffers}
+        if state.stage == 3:  # the root unit now; the others when their modules run
+            self.gatherer = gatherer = UnitGatherer(state, self.sinks)
+            tensors.update(gatherer.root_views())
+            saved: Any = gatherer.saved_tensor_hooks()
+            binding._latest = weakref.ref(gatherer)
+        else:
+            (unit,) = lay.units
+            full = comm.unit_params(self.sinks[0], None, state.compute, state.group, cfg.reduce_dtype,
+                                    state.stage == 2)
+            tensors.update(lay.views(unit, full))
+            saved = contextlib.nullcontext()
+        if cfg.autocast is None and cfg.compute_dtype != torch.float32:
+            # Like FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True): a low-precision model
+            # takes its floating-point inputs in its own dtype.
+            args, kwargs = _cast_floats((args, kwargs), cfg.compute_dtype)
+        (args, kwargs), _ = scale_tree((args, kwargs), 1 / factor)
+        autocast = (torch.autocast(state.device.type, dtype=cfg.autocast) if cfg.autocast
+                    else contextlib.nullcontext())
+        token = _CURRENT.set(self)
+        try:
+            with autocast, saved:
+                out = functional_call(binding.module, tensors, args, kwargs, tie_weights=True, strict=False)
+        finally:
+            _CURRENT.reset(token)
+        for name in self.buffers:  # a buffer the module reassigned (not updated in place)
+            self.buffers[name] = tensors[name]
+        scaled, count = scale_tree(out, factor)
+        if count == 0 and torch.is_grad_enabled():
+            raise TypeError(
+                f"zfunc found no differentiable tensor in the model's output (a {type(out).__name__}) to "
+                "attach the loss scale and 1/(grad_accum * world) to; return tensors, or tuples, lists, "
+                "dicts or dataclasses registered with zfunc.tree")
+        return scaled
+
+
+def cotangent_factor(state: TrainState) -> torch.Tensor:
+    """``loss_scale / (grad_accum * world)``: what a model-output cotangent is multiplied by.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> state = zfunc.init(torch.nn.Linear(1, 1), zfunc.Config(grad_accum=4))
+        >>> cotangent_factor(state).item()
+        0.25
+    """
+    return state.scaler.scale / (state.cfg.grad_accum * state.group.size)
+
+
+def _cast_floats(x: Any, dtype: torch.dtype) -> Any:
+    return tree.map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, x)

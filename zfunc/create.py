@@ -1,0 +1,193 @@
+"""`init`: a model and a `Config` become the first `TrainState`; `full_params` reads it back.
+
+``init`` checks that every rank built the same model, groups the trainable parameters into
+units (`zfunc.layout`), broadcasts rank 0's values, keeps this rank's shards, and binds the
+module to the layout (`zfunc.binding.ModuleBinding`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zfunc import comm
+from zfunc.binding import ModuleBinding, donated_binding
+from zfunc.config import Config
+from zfunc.errors import ConfigError
+from zfunc.layout import make_layout, master_view
+from zfunc.scaler import scaler_init
+from zfunc.state import AdamState, Metrics, TrainState
+
+__all__ = ["init", "full_params", "gather_by_name", "units_of"]
+
+
+def _signature(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:
+    return [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()]
+
+
+def _check_same_everywhere(model: torch.nn.Module, group: comm.Group) -> None:
+    sigs = comm.all_gather_object(_signature(model), group)
+    for i in range(max(len(s) for s in sigs)):
+        entries = [s[i] if i < len(s) else None for s in sigs]
+        if any(e != entries[0] for e in entries):
+            seen = ", ".join(f"rank {r}: {e if e is None else f'{e[0]} {list(e[1])} {e[2]}'}"
+                             f"{'' if e is None or e[3] else ' (frozen)'}"
+                             for r, e in enumerate(entries))
+            raise ConfigError(
+                f"model: the parameters differ across ranks at parameter #{i} ({seen}); "
+                "build the same model on every rank")
+
+
+def _default_units(model: torch.nn.Module) -> list[str]:
+    """The elements of the outermost ``nn.ModuleList``s (e.g. transformer blocks)."""
+    names: list[str] = []
+    for mname, mod in model.named_modules():
+        if isinstance(mod, torch.nn.ModuleList) and not any(mname.startswith(n + ".") for n in names):
+            names.extend(f"{mname}.{child}" if mname else child for child, _ in mod.named_children())
+    return names
+
+
+def units_of(model: torch.nn.Module, cfg: Config,
+           trainable: dict[str, torch.Tensor]) -> tuple[list[list[tuple[str, tuple]]], list[str]]:
+    """Group trainable parameters into units: one for stages 0-2; for stage 3 one per unit
+    module, plus ``"root"`` for the rest, for small parameters and for weights shared by two
+    units."""
+    if cfg.stage < 3:
+        return [[(n, tuple(p.shape)) for n, p in trainable.items()]], ["model"]
+    wanted = cfg.units if cfg.units is not None else _default_units(model)
+    unknown = [u for u in wanted if isinstance(u, str) and u not in dict(model.named_modules())]
+    if unknown:
+        raise ConfigError(f"units: {unknown} are not module names of the model")
+    owner: dict[int, set[str]] = {}
+    unit_names: list[str] = []
+    for mname, mod in model.named_modules():
+        inside = any(mname.startswith(u + ".") for u in unit_names)
+        if mname and not inside and any(u == mname or (isinstance(u, type) and isinstance(mod, u)) for u in wanted):
+            unit_names.append(mname)
+            for p in mod.parameters():
+                owner.setdefault(id(p), set()).add(mname)
+        elif not inside and mname not in unit_names:  # used outside every unit: must be in root
+            for p in mod.parameters(recurse=False):
+                owner.setdefault(id(p), set()).add("")
+    groups: dict[str, list[tuple[str, tuple]]] = {"root": []}
+    for n, p in trainable.items():
+        units = owner.get(id(p), set())
+        unit = next(iter(units)) if len(units) == 1 and p.numel() > cfg.persist_threshold else ""
+        unit = unit or "root"
+        groups.setdefault(unit, []).append((n, tuple(p.shape)))
+    if not groups["root"]:
+        del groups["root"]
+    return list(groups.values()), list(groups)
+
+
+def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *,
+         donate: bool = False) -> TrainState:
+    """The initial `TrainState` of ``model`` trained as ``cfg`` says, on ``group``.
+
+    Rank 0's parameter and buffer values are broadcast to every rank (as DDP and DeepSpeed do).
+    The module's values are copied: it stays usable as plain torch, and ``init`` may be called on
+    it again. At stage 3 forward hooks are added to its unit modules; they act only inside
+    zfunc's forward calls, and ``state.binding.remove()`` takes them away.
+
+    Args:
+        model: the module to train. Parameters with ``requires_grad=False`` stay frozen.
+        cfg: the `Config`.
+        group: the ranks; ``None`` means `zfunc.comm.world()`.
+        donate: give the module's trainable parameters to the state: their storage is freed
+            (at stage 3 the point of sharding; otherwise the model's copy is dropped too), and
+            calling the module outside zfunc raises. Use it when the module will only ever
+            run through zfunc; the engine (`zfunc.initialize`) donates at stage 3.
+
+    Returns:
+        The state, with zero gradients and moments and ``step == 0``.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> state = zfunc.init(torch.nn.Linear(3, 2), zfunc.Config(stage=2))
+        >>> state.step.item(), state.params.shape, state.layout.numel
+        (0, torch.Size([8]), 8)
+    """
+    group = group or comm.world()
+    if donated_binding(model) is not None:
+        raise ConfigError(
+            "model: its parameters were donated to another zfunc state by init(..., donate=True) and are "
+            "empty now; build the model again (or init it without donate=True the first time)")
+    if group.size > 1:
+        _check_same_everywhere(model, group)
+    named = dict(model.named_parameters())
+    trainable = {n: p for n, p in named.items() if p.requires_grad}
+    if not trainable:
+        raise ConfigError("model: has no parameter with requires_grad=True; nothing to train")
+    device = next(iter(trainable.values())).device
+    units, unit_names = units_of(model, cfg, trainable)
+    layout = make_layout(units, world=group.size, rank=group.rank, align=cfg.align, names=unit_names)
+    cdt, mdt = cfg.compute_dtype, cfg.master_dtype
+
+    def replicated(t: torch.Tensor) -> torch.Tensor:  # rank 0's value, floats in the compute dtype
+        return comm.broadcast(t.detach(), 0, group).to(cdt if t.is_floating_point() else t.dtype)
+
+    frozen = {n: replicated(p) for n, p in named.items() if not p.requires_grad}
+    buffers = {n: replicated(b) for n, b in model.named_buffers()}
+
+    full_master = [comm.broadcast(layout.flatten_unit(u, trainable, mdt, device), 0, group)
+                   for u in layout.units]
+    if cfg.stage == 0:
+        params = torch.cat(full_master)
+    else:
+        params = torch.cat([flat.narrow(0, *layout.owned_start_len(u)) for u, flat in
+                            zip(layout.units, full_master)])
+    if cfg.stage == 3:
+        compute = params if cdt == mdt else params.to(cdt)
+    else:
+        compute = torch.cat(full_master).to(cdt)
+        if cdt == mdt:  # the master shard is a view of the compute buffer: no second copy
+            params = master_view(compute, layout, cfg.stage)
+    grads_numel = layout.full_numel if cfg.stage < 2 else layout.arena_numel
+    zeros = torch.zeros(params.numel(), dtype=cfg.moment_dtype, device=device)
+
+    def scalar(v: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.tensor(v, dtype=dtype, device=device)
+
+    scaler = scaler_init(cfg, device)
+    lr0 = cfg.lr_schedule(0) if cfg.lr_schedule else cfg.optimizer.lr
+    binding = ModuleBinding(model, layout, cfg.stage)
+    if donate:
+        binding.donate()
+    return TrainState(
+        params=params, compute=compute,
+        grads=torch.zeros(grads_numel, dtype=cfg.grad_accum_dtype, device=device),
+        opt=AdamState(mu=zeros, nu=zeros.clone(), count=scalar(0, torch.int64)),
+        scaler=scaler, step=scalar(0, torch.int64), micro_step=torch.zeros((), dtype=torch.int64),
+        loss_sum=scalar(0.0),
+        metrics=Metrics(loss=scalar(float("nan")), grad_norm=scalar(0.0), loss_scale=scaler.scale.clone(),
+                        skipped=scalar(0.0), lr=torch.as_tensor(lr0, dtype=torch.float32).to(device)),
+        frozen=frozen, buffers=buffers, binding=binding, cfg=cfg, layout=layout, group=group)
+
+
+def full_params(state: TrainState) -> dict[str, torch.Tensor]:
+    """Every trainable parameter, full and in the master dtype, by name.
+
+    Names and order are those of ``model.named_parameters()`` (a tied weight appears once; frozen
+    parameters are left out). At stages 1-3
+    this gathers the shards (a collective: call it on every rank).
+
+    Examples:
+        >>> import torch, zfunc
+        >>> torch.manual_seed(0) and None
+        >>> model = torch.nn.Linear(2, 1)
+        >>> p = zfunc.full_params(zfunc.init(model, zfunc.Config()))
+        >>> sorted(p), torch.equal(p["weight"], model.weight.detach())
+        (['bias', 'weight'], True)
+    """
+    return gather_by_name(state, state.params)
+
+
+def gather_by_name(state: TrainState, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``t`` (shaped like ``state.params``: the master weights or a moment) in full, by name."""
+    lay, out = state.layout, {}
+    for unit in lay.units:
+        if state.stage == 0:
+            flat = t.narrow(0, 0, unit.padded)
+        else:
+            flat = comm.all_gather(lay.arena_slice(t, unit), state.group)
+        out.update({k: v.clone() for k, v in lay.views(unit, flat).items()})
+    return {n: out[n] for n, _ in state.module.named_parameters() if n in out}  # the model's order

@@ -1,0 +1,65 @@
+"""`ConfigError` and the small value checks every configuration record shares.
+
+This module imports nothing from zfunc, so any module may raise `ConfigError` without an
+import circle.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["ConfigError", "check", "is_number", "is_finite_number", "is_positive_int"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the accepted form.
+
+    Examples:
+        >>> import zfunc
+        >>> try:
+        ...     zfunc.Config(stage=5)
+        ... except zfunc.ConfigError as e:
+        ...     print(e)
+        stage: expected one of 0, 1, 2, 3, got 5
+    """
+
+
+def check(ok: bool, name: str, expected: str, got: Any) -> None:
+    """Raise `ConfigError` ``"<name>: expected <expected>, got <got>"`` unless ``ok``.
+
+    Examples:
+        >>> check(True, "lr", "a number", 1.0)
+    """
+    if not ok:
+        raise ConfigError(f"{name}: expected {expected}, got {got!r}")
+
+
+def is_number(x: Any) -> bool:
+    """An int or float that is not a bool.
+
+    Examples:
+        >>> is_number(1), is_number(True), is_number("1")
+        (True, False, False)
+    """
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def is_finite_number(x: Any) -> bool:
+    """A number that is neither infinite nor NaN.
+
+    Examples:
+        >>> is_finite_number(1e3), is_finite_number(float("inf"))
+        (True, False)
+    """
+    return is_number(x) and math.isfinite(x)
+
+
+def is_positive_int(x: Any) -> bool:
+    """An int (not a bool) greater than 0.
+
+    Examples:
+        >>> is_positive_int(2), is_positive_int(0), is_positive_int(2.0)
+        (True, False, False)
+    """
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0

@@ -1,0 +1,66 @@
+"""Bytes per rank: `memory_report` reads them off a state, `memory_plan` computes them from shapes."""
+
+from __future__ import annotations
+
+import torch
+
+from zfunc.config import Config
+from zfunc.create import units_of
+from zfunc.layout import make_layout
+from zfunc.state import TrainState
+
+__all__ = ["memory_report", "memory_plan"]
+
+
+def memory_report(state: TrainState) -> dict[str, int]:
+    """Bytes this rank holds for parameters, gradients and optimizer state.
+
+    ``params`` counts the compute copy and the master copy once each (once in total where they
+    share memory); ``optimizer`` counts the moments; ``total`` adds them up.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> rep = zfunc.memory_report(zfunc.init(torch.nn.Linear(7, 1), zfunc.Config(stage=0)))
+        >>> rep["params"], rep["grads"], rep["optimizer"]
+        (32, 32, 64)
+    """
+    def nbytes(*ts: torch.Tensor) -> int:
+        seen: dict[int, int] = {}
+        for t in ts:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+        return sum(seen.values())
+
+    rep = {"params": nbytes(state.params, state.compute), "grads": nbytes(state.grads),
+           "optimizer": nbytes(state.opt.mu) + nbytes(state.opt.nu)}
+    rep["total"] = sum(rep.values())
+    return rep
+
+
+def memory_plan(model: torch.nn.Module, cfg: Config, world_size: int) -> dict[str, int]:
+    """The bytes `memory_report` will show on each rank, computed from shapes alone.
+
+    Nothing is allocated and no process group is needed, so any world size can be planned.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> model = torch.nn.Linear(1000, 1000)                      # 1,001,000 parameters
+        >>> for stage in range(4):
+        ...     plan = zfunc.memory_plan(model, zfunc.Config(stage=stage), world_size=8)
+        ...     print(stage, round(plan["total"] / 2**20, 2), "MiB per rank")
+        0 15.27 MiB per rank
+        1 8.59 MiB per rank
+        2 5.25 MiB per rank
+        3 1.91 MiB per rank
+    """
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    units, names = units_of(model, cfg, trainable)
+    lay = make_layout(units, world=world_size, rank=0, align=cfg.align, names=names)
+    size = lambda dt: torch.empty((), dtype=dt).element_size()  # noqa: E731
+    opt_numel = lay.full_numel if cfg.stage == 0 else lay.arena_numel
+    compute = (lay.arena_numel if cfg.stage == 3 else lay.full_numel) * size(cfg.compute_dtype)
+    master = 0 if cfg.compute_dtype == cfg.master_dtype else opt_numel * size(cfg.master_dtype)
+    grads = (lay.full_numel if cfg.stage < 2 else lay.arena_numel) * size(cfg.grad_accum_dtype)
+    plan = {"params": compute + master, "grads": grads, "optimizer": 2 * opt_numel * size(cfg.moment_dtype)}
+    plan["total"] = sum(plan.values())
+    return plan
