@@ -68,3 +68,19 @@ def test_every_backticked_zfunc_name_in_the_docs_exists():
             except (ImportError, AttributeError):
                 missing.append(f"{f.name}: {name}")
     assert not missing, missing
+
+
+def test_the_reliability_table_points_at_tests_that_exist():
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    text = (root / "docs" / "reliability.md").read_text()
+    refs = re.findall(r"`(test_\w+\.py)::(\w+)`", text)
+    short = re.findall(r"`::(test_\w+)`", text)
+    assert len(refs) >= 15
+    for module, name in refs:
+        source = (root / "tests" / module).read_text()
+        assert f"def {name}(" in source, f"{module}::{name}"
+    for name in short:
+        assert any(f"def {name}(" in p.read_text() for p in (root / "tests").glob("test_*.py")), name

@@ -114,7 +114,8 @@ def test_collectives_per_micro_step():
         0: ([], ["all_reduce", "all_reduce"]),  # grads; then loss and counts
         1: ([], ["reduce_scatter", "all_reduce", "all_gather"]),
         2: (["reduce_scatter"], ["all_reduce", "all_gather"]),
-        3: (["all_gather", "reduce_scatter"], ["all_reduce"]),
+        # stage 3: each unit's gather, the units-agree check after forward, the reduce-scatter
+        3: (["all_gather", "all_reduce", "reduce_scatter"], ["all_reduce"]),
     }
     for stage, (micro, boundary) in expected.items():
         for first, second, at_step in run_ranks(_collectives, 2, stage):

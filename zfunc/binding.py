@@ -27,7 +27,7 @@ from torch.utils.hooks import RemovableHandle
 from zfunc import comm
 from zfunc._tree import tree
 from zfunc.cotangent import scale_tree
-from zfunc.gather import UnitGatherer
+from zfunc.gather import UnitGatherer, check_same_units
 from zfunc.layout import Layout
 
 if TYPE_CHECKING:
@@ -202,6 +202,8 @@ class BoundModel:
                 out = functional_call(binding.module, tensors, args, kwargs, tie_weights=True, strict=False)
         finally:
             _CURRENT.reset(token)
+        if self.gatherer is not None and state.group.size > 1 and state.device.type == "cpu":
+            check_same_units(self.gatherer.order, state.group)  # a host read: free on the CPU only
         for name in self.buffers:  # a buffer the module reassigned (not updated in place)
             self.buffers[name] = tensors[name]
         scaled, count = scale_tree(out, factor)

@@ -5,47 +5,38 @@
 in parallel), plus the scalars of the state (step counters, the loss scaler with its hysteresis,
 metrics), frozen parameters and buffers, and each rank's RNG. Because pieces are named by
 parameter and offset, not by rank, ``load`` can cut them differently: another world size or
-another ZeRO stage. A save goes to a temporary directory that is renamed into place after a
-``COMPLETE`` marker is written, so a crash mid-save leaves the previous checkpoint as it was.
+another ZeRO stage. Rank 0 stores the replicated tensors (scalars, frozen parameters, buffers),
+so a checkpoint holds rank 0's values of those. Every piece's CRC-32 is recorded in
+``meta.json`` and checked by ``load``. A save never replaces anything but a zfunc checkpoint,
+and commits through `zfunc.commit` so that at every instant of a crash ``load(path)`` finds the
+old or the new complete checkpoint. Every failure is a `zfunc.CheckpointError`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
-import shutil
 import uuid
 import warnings
+import zlib
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-from zfunc import comm
+from zfunc import comm, commit
 from zfunc._tree import tree
 from zfunc.create import full_params
+from zfunc.errors import CheckpointError
 from zfunc.layout import Layout, Unit, master_view
 from zfunc.state import AdamState, TrainState
 
-__all__ = ["save", "load", "export", "CheckpointError", "read_meta", "read_extra"]
+__all__ = ["save", "load", "export", "exists", "CheckpointError", "read_meta", "read_extra"]
 
-_FORMAT = 1
-_MARKER = "COMPLETE"
+_FORMAT = 2
 _ROLES = ("master", "mu", "nu")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be written or does not fit the state it is loaded into.
-
-    Examples:
-        >>> import tempfile, zfunc
-        >>> try:
-        ...     zfunc.load(tempfile.mkdtemp(), like=None)
-        ... except zfunc.CheckpointError as e:
-        ...     print(str(e).split(": ", 1)[1][:40])
-        not a complete zfunc checkpoint (no COMP
-    """
 
 
 def _dcp_kwargs(group: comm.Group) -> dict[str, Any]:
@@ -108,65 +99,135 @@ def save(state: TrainState, path: str | os.PathLike, *, extra: dict[str, Any] | 
         True
     """
     group = state.group
-    if state.micro_step.item() != 0:
-        raise CheckpointError("save: the state holds accumulated micro-batches (micro_step != 0); "
-                              "save right after apply_step")
     path = os.path.abspath(os.fspath(path))
-    token = comm.all_gather_object(uuid.uuid4().hex[:12], group)[0]
+    problem, token = None, uuid.uuid4().hex[:12]
+    if state.micro_step.item() != 0:
+        problem = ("save: the state holds accumulated micro-batches (micro_step != 0); save right after "
+                   "apply_step")
+    extra_bytes = io.BytesIO()
+    if group.rank == 0 and problem is None:
+        try:
+            torch.save(extra or {}, extra_bytes)
+            commit.recover(path)
+            commit.check_target(path)
+        except CheckpointError as e:
+            problem = str(e)
+        except Exception as e:  # noqa: BLE001 - anything torch.save cannot store
+            problem = f"save: extra cannot be stored ({type(e).__name__}: {e}); pass picklable values"
+    problem, token = comm.all_gather_object((problem, token), group)[0]  # rank 0 decides for all
+    if problem is not None:
+        raise CheckpointError(problem)
     tmp = f"{path}.tmp-{token}"
-    sd: dict[str, torch.Tensor] = {}
+    sd = _pieces(state)
+    crc = {k: _crc(v) for k, v in sd.items()}
+    try:
+        if group.rank == 0:
+            os.makedirs(tmp)
+        comm.all_gather_object(None, group)  # barrier: the directory exists
+        with _quiet():
+            dcp.save(sd, checkpoint_id=tmp, **_dcp_kwargs(group))
+        crcs = comm.all_gather_object(crc, group)
+        if group.rank == 0:
+            meta = {"format": _FORMAT, "world": group.size, "stage": state.stage,
+                    "params": {s.name: list(s.shape) for u in state.layout.units for s in u.slots},
+                    "master_dtype": str(state.params.dtype), "moment_dtype": str(state.opt.mu.dtype),
+                    "frozen": sorted(_replicated(state)),
+                    "replicated": {n: list(t.shape) for n, t in _replicated(state).items()},
+                    "crc": {k: v for c in crcs for k, v in c.items()}}
+            _write(os.path.join(tmp, "extra.pt"), extra_bytes.getvalue())
+            _write(os.path.join(tmp, commit.META), json.dumps(meta, indent=1))
+            _write(os.path.join(tmp, commit.MARKER), "ok\n")
+            commit.commit(tmp, path, token)
+    except BaseException as e:  # torch.distributed.checkpoint raises CheckpointException, a BaseException
+        if group.rank == 0:
+            commit.discard(tmp)
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise CheckpointError(f"save: writing {path} failed ({type(e).__name__}: {e}); the previous "
+                              "checkpoint there, if any, is unchanged") from e
+    comm.all_gather_object(None, group)  # barrier: committed
+    return path
+
+
+def _pieces(state: TrainState) -> dict[str, torch.Tensor]:
+    """This rank's pieces: its owned slices of every parameter, its RNG; rank 0 also the
+    replicated tensors (scalars, frozen parameters, buffers), so they are rank 0's values."""
+    group, sd = state.group, {}
     for unit in state.layout.units:
         lo, hi = state.layout.owned(unit)
         for role, t in zip(_ROLES, (state.params, state.opt.mu, state.opt.nu)):
             owned = _owned(state.stage, state.layout, t, unit)
             for name, start, at, n in _overlaps(unit, lo, hi):
                 sd[f"p/{name}/{role}/{start}"] = owned.narrow(0, at, n).detach().cpu()
-    sd.update(_scalars(state))
-    sd.update({f"f/{n}": t.detach().cpu() for n, t in _replicated(state).items()})
+    if group.rank == 0:
+        sd.update(_scalars(state))
+        sd.update({f"f/{n}": t.detach().cpu() for n, t in _replicated(state).items()})
     sd[f"rng/{group.rank}"] = torch.get_rng_state()
-    if group.rank == 0:
-        os.makedirs(tmp)
-    comm.all_gather_object(None, group)  # barrier: the directory exists
-    with _quiet():
-        dcp.save(sd, checkpoint_id=tmp, **_dcp_kwargs(group))
-    if group.rank == 0:
-        meta = {"format": _FORMAT, "world": group.size, "stage": state.stage,
-                "params": {s.name: list(s.shape) for u in state.layout.units for s in u.slots},
-                "master_dtype": str(state.params.dtype), "moment_dtype": str(state.opt.mu.dtype),
-                "frozen": sorted(_replicated(state))}
-        _write(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
-        torch.save(extra or {}, os.path.join(tmp, "extra.pt"))
-        _write(os.path.join(tmp, _MARKER), "ok\n")
-        old = f"{path}.old-{token}"
-        if os.path.exists(path):
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    comm.all_gather_object(None, group)  # barrier: committed
-    return path
+    return sd
 
 
-def _write(file: str, text: str) -> None:
-    with open(file, "w") as f:
-        f.write(text)
+def _crc(t: torch.Tensor) -> int:
+    """CRC-32 of a tensor's bytes (detects corrupted data that still parses)."""
+    return zlib.crc32(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy())
+
+
+def _write(file: str, data: str | bytes) -> None:
+    with open(file, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
         f.flush()
         os.fsync(f.fileno())
 
 
+def exists(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds a complete checkpoint to `load` (for resuming after a restart).
+
+    Examples:
+        >>> import tempfile, torch, zfunc
+        >>> d = tempfile.mkdtemp() + "/ckpt"
+        >>> before = zfunc.checkpoint.exists(d)
+        >>> _ = zfunc.save(zfunc.init(torch.nn.Linear(2, 1), zfunc.Config()), d)
+        >>> before, zfunc.checkpoint.exists(d)
+        (False, True)
+    """
+    return commit.locate(os.path.abspath(os.fspath(path))) is not None
+
+
+def locate(path: str | os.PathLike) -> str:
+    """The directory holding the complete checkpoint ``path`` stands for (see `zfunc.commit`).
+
+    Raises:
+        CheckpointError: there is none.
+    """
+    path = os.path.abspath(os.fspath(path))
+    found = commit.locate(path)
+    if found is None:
+        raise CheckpointError(f"{path}: not a complete zfunc checkpoint (no {commit.MARKER} marker): the save "
+                              "was interrupted or this is not a checkpoint directory; load an earlier one")
+    return found
+
+
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
-    """The checkpoint's description; raises `CheckpointError` if it is incomplete."""
-    path = os.fspath(path)
-    if not os.path.isfile(os.path.join(path, _MARKER)):
-        raise CheckpointError(f"{path}: not a complete zfunc checkpoint (no {_MARKER} marker): the save was "
-                              "interrupted or this is not a checkpoint directory; load an earlier one")
-    with open(os.path.join(path, "meta.json")) as f:
-        return json.load(f)
+    """The checkpoint's description; raises `CheckpointError` if it is incomplete or unreadable."""
+    where = locate(path)
+    try:
+        with open(os.path.join(where, commit.META)) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{where}/{commit.META}: unreadable ({e}); the checkpoint is damaged") from e
+    if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
+        raise CheckpointError(f"{where}: checkpoint format {meta.get('format') if isinstance(meta, dict) else '?'}"
+                              f", this zfunc reads format {_FORMAT}")
+    return meta
 
 
 def read_extra(path: str | os.PathLike) -> Any:
     """What was passed to `save` as ``extra``."""
-    read_meta(path)
-    return torch.load(os.path.join(os.fspath(path), "extra.pt"), weights_only=False)
+    where = locate(path)
+    read_meta(where)
+    try:
+        return torch.load(os.path.join(where, "extra.pt"), weights_only=False)
+    except Exception as e:  # noqa: BLE001 - a damaged file, whatever pickle makes of it
+        raise CheckpointError(f"{where}/extra.pt: unreadable ({type(e).__name__}: {e})") from e
 
 
 def _check_fits(meta: dict[str, Any], like: TrainState, path: str) -> None:
@@ -184,8 +245,13 @@ def _check_fits(meta: dict[str, Any], like: TrainState, path: str) -> None:
     for key, have in (("master_dtype", like.params.dtype), ("moment_dtype", like.opt.mu.dtype)):
         if meta[key] != str(have):
             problems.append(f"{key} is {meta[key]} in the checkpoint but {have} in the state")
-    if sorted(_replicated(like)) != meta["frozen"]:
-        problems.append(f"frozen parameters/buffers differ: {meta['frozen'][:5]} vs {sorted(_replicated(like))[:5]}")
+    mine = {n: list(t.shape) for n, t in _replicated(like).items()}
+    if sorted(mine) != sorted(meta["replicated"]):
+        problems.append(f"frozen parameters/buffers differ: {sorted(meta['replicated'])[:5]} vs {sorted(mine)[:5]}")
+    else:
+        shapes = [f"{n} {meta['replicated'][n]} vs {mine[n]}" for n in mine if meta["replicated"][n] != mine[n]]
+        if shapes:
+            problems.append(f"frozen parameter/buffer shapes differ (checkpoint vs model): {shapes[:5]}")
     if problems:
         raise CheckpointError(f"{path} does not fit this state (a checkpoint of another model or "
                               f"configuration?): " + "; ".join(problems) + ". Nothing was loaded.")
@@ -212,11 +278,14 @@ def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True)
         ...     print(str(e)[str(e).index("shapes"):])
         shapes differ (checkpoint vs model): ['weight [2, 3] vs [4, 3]', 'bias [2] vs [4]']. Nothing was loaded.
     """
-    path = os.path.abspath(os.fspath(path))
+    path = locate(path)
     meta = read_meta(path)
     _check_fits(meta, like, path)
     lay, group = like.layout, like.group
-    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    try:
+        stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except BaseException as e:  # noqa: BLE001 - DCP's errors include BaseExceptions
+        _reraise(e, f"{path}/.metadata: unreadable")
     pieces: dict[str, dict[str, list[int]]] = {}
     for key in stored:
         if key.startswith("p/"):
@@ -238,8 +307,19 @@ def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True)
     frozen = {f"f/{n}": torch.empty_like(t, device="cpu") for n, t in _replicated(like).items()}
     rng_key = f"rng/{group.rank}" if restore_rng and meta["world"] == group.size else None
     rng = {rng_key: torch.empty_like(torch.get_rng_state())} if rng_key else {}
-    with _quiet():
-        dcp.load({**want, **scalars, **frozen, **rng}, checkpoint_id=path, **_dcp_kwargs(group))
+    wanted = {**want, **scalars, **frozen, **rng}
+    missing = sorted(k for k in wanted if k not in stored)
+    if missing:
+        raise CheckpointError(f"{path}: pieces missing from the checkpoint: {missing[:5]}. Nothing was loaded.")
+    try:
+        with _quiet():
+            dcp.load(wanted, checkpoint_id=path, **_dcp_kwargs(group))
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        _reraise(e, f"{path}: reading the pieces failed")
+    damaged = sorted(k for k, t in wanted.items() if meta["crc"].get(k) != _crc(t))
+    if damaged:
+        raise CheckpointError(f"{path}: damaged pieces (their CRC-32 differs from the one saved): {damaged[:5]}. "
+                              "Nothing was loaded; load an earlier checkpoint")
 
     dev = like.device
     roles = {role: torch.zeros(t.numel(), dtype=t.dtype, device=dev)
@@ -290,6 +370,13 @@ def _assemble(like: TrainState, roles: dict[str, torch.Tensor], s: dict[str, tor
                         buffers={n: frozen[n] for n in like.buffers})
 
 
+def _reraise(e: BaseException, what: str) -> None:
+    if isinstance(e, (KeyboardInterrupt, SystemExit)):
+        raise e
+    raise CheckpointError(f"{what} ({type(e).__name__}: {str(e).strip()[:500]}); the checkpoint is damaged or "
+                          "incomplete. Nothing was loaded") from e
+
+
 def _replicated(state: TrainState) -> dict[str, torch.Tensor]:
     """The tensors every rank holds whole: frozen parameters and buffers (stored under ``f/``)."""
     return {**state.frozen, **state.buffers}
@@ -324,6 +411,7 @@ def export(source: TrainState | str | os.PathLike, file: str | os.PathLike) -> s
 
 
 def _weights_from(path: str) -> dict[str, torch.Tensor]:
+    path = locate(path)
     meta = read_meta(path)
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     want = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in stored.items()

@@ -52,6 +52,8 @@ class ScaleCotangent(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         (factor,) = ctx.saved_tensors
+        if grad.dtype == torch.float16:  # a loss scale >= 65536 is inf in fp16: multiply in fp32
+            return (grad.float() * factor).to(torch.float16), None
         return grad * factor.to(grad.dtype), None
 
 

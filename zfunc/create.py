@@ -24,8 +24,23 @@ def _signature(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str, 
     return [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()]
 
 
-def _check_same_everywhere(model: torch.nn.Module, group: comm.Group) -> None:
-    sigs = comm.all_gather_object(_signature(model), group)
+def _fingerprint(cfg: Config) -> dict[str, str]:
+    """The `Config` fields that must agree across ranks (anything that changes collectives or math)."""
+    fields = ("stage", "precision", "grad_accum", "clip", "loss_scale", "master_dtype", "moment_dtype",
+              "grad_accum_dtype", "comm_dtype", "autocast", "units", "persist_threshold", "align", "optimizer")
+    return {f: repr(getattr(cfg, f)) for f in fields}
+
+
+def _check_same_everywhere(model: torch.nn.Module, cfg: Config, group: comm.Group) -> None:
+    """Every rank must build the same model with the same config; say where they differ (on every
+    rank, before any collective that would otherwise hang or mix up shards)."""
+    seen = comm.all_gather_object((_signature(model), _fingerprint(cfg)), group)
+    for field, mine in _fingerprint(cfg).items():
+        values = [fp[field] for _, fp in seen]
+        if any(v != values[0] for v in values):
+            raise ConfigError(f"{field}: differs across ranks ({', '.join(f'rank {r}: {v}' for r, v in enumerate(values))}); "
+                              "give every rank the same Config")
+    sigs = [sig for sig, _ in seen]
     for i in range(max(len(s) for s in sigs)):
         entries = [s[i] if i < len(s) else None for s in sigs]
         if any(e != entries[0] for e in entries):
@@ -112,8 +127,13 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
             "model: its parameters were donated to another zfunc state by init(..., donate=True) and are "
             "empty now; build the model again (or init it without donate=True the first time)")
     if group.size > 1:
-        _check_same_everywhere(model, group)
+        _check_same_everywhere(model, cfg, group)
     named = dict(model.named_parameters())
+    odd = [f"{n} ({p.dtype})" for n, p in named.items() if p.dtype not in (torch.float32, torch.bfloat16, torch.float16)]
+    if odd:
+        raise ConfigError(f"model: parameters {odd[:3]} have a dtype zfunc does not train (float32, bfloat16 or "
+                          "float16 only; float64 would be rounded and complex parts dropped); convert them, e.g. "
+                          "model.float(), or keep them out of the model")
     trainable = {n: p for n, p in named.items() if p.requires_grad}
     if not trainable:
         raise ConfigError("model: has no parameter with requires_grad=True; nothing to train")
@@ -122,8 +142,9 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
     layout = make_layout(units, world=group.size, rank=group.rank, align=cfg.align, names=unit_names)
     cdt, mdt = cfg.compute_dtype, cfg.master_dtype
 
-    def replicated(t: torch.Tensor) -> torch.Tensor:  # rank 0's value, floats in the compute dtype
-        return comm.broadcast(t.detach(), 0, group).to(cdt if t.is_floating_point() else t.dtype)
+    def replicated(t: torch.Tensor) -> torch.Tensor:  # rank 0's value, 32/16-bit floats in the compute dtype
+        low = t.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        return comm.broadcast(t.detach(), 0, group).to(cdt if low else t.dtype)
 
     frozen = {n: replicated(p) for n, p in named.items() if not p.requires_grad}
     buffers = {n: replicated(b) for n, b in model.named_buffers()}

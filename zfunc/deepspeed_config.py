@@ -24,7 +24,7 @@ import torch
 from zfunc import schedules
 from zfunc.errors import ConfigError
 from zfunc.optim import AdamConfig
-from zfunc.scaler import DynamicLossScale
+from zfunc.scaler import FLOAT32_MAX, DynamicLossScale
 
 __all__ = ["translate", "BatchSizes", "batch_sizes"]
 
@@ -133,17 +133,26 @@ def _optimizer(ds: Mapping[str, Any]) -> AdamConfig:
     if kind.lower() not in ("adam", "adamw"):
         raise _err("optimizer.type", '"Adam" or "AdamW" (zfunc implements Adam/AdamW)', kind)
     # DeepSpeed: "Adam" means AdamW unless adam_w_mode is false.
-    decoupled = bool(params.pop("adam_w_mode", True)) if kind.lower() == "adam" else True
-    params.pop("torch_adam", None)
+    decoupled = _bool(params.pop("adam_w_mode", True), "optimizer.params.adam_w_mode") if kind.lower() == "adam" else True
+    _bool(params.pop("torch_adam", False), "optimizer.params.torch_adam")
     unknown = set(params) - {"lr", "betas", "eps", "weight_decay"}
     if unknown:
         raise _err("optimizer.params", "only lr, betas, eps, weight_decay, adam_w_mode, torch_adam", sorted(unknown))
+    betas = params.get("betas", (0.9, 0.999))
+    if not isinstance(betas, (list, tuple)):
+        raise _err("optimizer.params.betas", "a list of two numbers in [0, 1)", betas)
     try:
-        return AdamConfig(lr=params.get("lr", 1e-3), betas=tuple(params.get("betas", (0.9, 0.999))),
+        return AdamConfig(lr=params.get("lr", 1e-3), betas=tuple(betas),
                           eps=params.get("eps", 1e-8), weight_decay=params.get("weight_decay", 0.0),
                           decoupled=decoupled)
     except ConfigError as e:
-        raise ConfigError(f"optimizer.params.{e}") from None
+        raise ConfigError(str(e).replace("optimizer.", "optimizer.params.", 1)) from None
+
+
+def _bool(v: Any, path: str) -> bool:
+    if not isinstance(v, bool):
+        raise _err(path, "true or false", v)
+    return v
 
 
 def _scheduler(ds: Mapping[str, Any], lr: float) -> Any:
@@ -220,6 +229,8 @@ def translate(ds: Mapping[str, Any] | str | os.PathLike,
     if ignored:
         warnings.warn(f"zfunc ignores these DeepSpeed config keys: {', '.join(sorted(ignored))}", stacklevel=3)
 
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise _err("world_size", "a positive integer", world_size)
     sizes = batch_sizes(ds, world_size)
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
@@ -236,14 +247,19 @@ def translate(ds: Mapping[str, Any] | str | os.PathLike,
     if fp16.get("enabled"):
         precision = "fp16"
         static = _number(fp16, "fp16", "loss_scale", 0.0)
+        if static > FLOAT32_MAX:
+            raise _err("fp16.loss_scale", "0 (dynamic) or a number up to 3.4e38", fp16["loss_scale"])
         if static > 0:
             loss_scale = static
         else:
+            power = _number(fp16, "fp16", "initial_scale_power", 16)
+            if power > 127:  # 2**128 is past float32's range: every step would overflow
+                raise _err("fp16.initial_scale_power", "a number in [0, 127]", fp16["initial_scale_power"])
+            consecutive = _bool(fp16.get("consecutive_hysteresis", False), "fp16.consecutive_hysteresis")
             try:
                 loss_scale = DynamicLossScale(
-                    init=2.0 ** _number(fp16, "fp16", "initial_scale_power", 16),
-                    window=fp16.get("loss_scale_window", 1000), hysteresis=fp16.get("hysteresis", 2),
-                    min_scale=fp16.get("min_loss_scale", 1), consecutive_hysteresis=bool(fp16.get("consecutive_hysteresis", False)))
+                    init=2.0**power, window=fp16.get("loss_scale_window", 1000), hysteresis=fp16.get("hysteresis", 2),
+                    min_scale=fp16.get("min_loss_scale", 1), consecutive_hysteresis=consecutive)
             except ConfigError as e:
                 raise ConfigError("fp16." + str(e).replace("loss_scale.window", "loss_scale_window")
                                   .replace("loss_scale.min_scale", "min_loss_scale")

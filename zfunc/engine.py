@@ -77,7 +77,13 @@ class Engine:
             raise TypeError(f"engine.state: expected a zfunc.TrainState, got {type(state).__name__}")
         self._state = state
         self._sinks = sinks_into(state, state.grads)
+        for sink in self._sinks:  # notes that a backward reached the state since the last step()
+            sink.register_post_accumulate_grad_hook(self._grad_arrived)
+        self._backward_seen = False
         self._share_module_params()
+
+    def _grad_arrived(self, _: torch.Tensor) -> None:
+        self._backward_seen = True
 
     def _share_module_params(self) -> None:
         """Stages 0-2, parameters in the compute dtype (fp32 training): point the module's
@@ -141,6 +147,11 @@ class Engine:
     def step(self, lr_kwargs: Mapping[str, Any] | None = None) -> None:
         """End a micro-step; at the accumulation boundary apply the optimizer step."""
         del lr_kwargs  # schedules are functions of the applied-step count, in the state
+        if not self._backward_seen:
+            raise RuntimeError(
+                "engine.step(): no backward reached the model since the last step(); call engine.backward(loss) "
+                "(or loss.backward()) on a loss computed with engine(...) first. Nothing was changed")
+        self._backward_seen = False
         st = record_micro(self._state, self._state.grads, loss=self._pending_loss)
         self._pending_loss = None
         boundary = self.is_gradient_accumulation_boundary()
@@ -225,7 +236,7 @@ class Engine:
 
         Every rank writes its own pieces (`zfunc.save`); ``client_state`` is stored as is.
         """
-        tag = str(tag if tag is not None else f"global_step{self.global_steps}")
+        tag = _check_tag(tag if tag is not None else f"global_step{self.global_steps}")
         extra = {"client_state": client_state, "micro_steps": self.micro_steps,
                  "global_samples": self.global_samples}
         save(self._state, os.path.join(os.fspath(save_dir), tag), extra=extra)
@@ -249,7 +260,7 @@ class Engine:
                 return None, None
             with open(latest) as f:
                 tag = f.read().strip()
-        path = os.path.join(os.fspath(load_dir), str(tag))
+        path = os.path.join(os.fspath(load_dir), _check_tag(tag))
         extra = read_extra(path)
         self.state = load(path, like=self._state)
         self.micro_steps, self.global_samples = extra["micro_steps"], extra["global_samples"]
@@ -261,6 +272,15 @@ class Engine:
 
     def eval(self) -> Engine:
         return self.train(False)
+
+
+def _check_tag(tag: Any) -> str:
+    """A checkpoint tag names one directory inside the save directory, nothing else."""
+    text = str(tag)
+    if not text or text in (".", "..") or "/" in text or os.sep in text or text == "latest":
+        raise ValueError(f"tag: {tag!r} must name a directory inside the checkpoint directory (not empty, "
+                         "'.', '..' or 'latest', no path separators)")
+    return text
 
 
 class _OptimizerView:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["ConfigError", "check", "is_number", "is_finite_number", "is_positive_int"]
+__all__ = ["ConfigError", "CheckpointError", "check", "is_number", "is_finite_number", "is_positive_int"]
 
 
 class ConfigError(ValueError):
@@ -22,6 +22,20 @@ class ConfigError(ValueError):
         ... except zfunc.ConfigError as e:
         ...     print(e)
         stage: expected one of 0, 1, 2, 3, got 5
+    """
+
+
+class CheckpointError(Exception):
+    """A checkpoint cannot be written, is missing or damaged, or does not fit the state it is
+    loaded into. The message names the path or the piece; nothing was changed.
+
+    Examples:
+        >>> import tempfile, zfunc
+        >>> try:
+        ...     zfunc.load(tempfile.mkdtemp(), like=None)
+        ... except zfunc.CheckpointError as e:
+        ...     print(str(e).split(": ", 1)[1][:40])
+        not a complete zfunc checkpoint (no COMP
     """
 
 

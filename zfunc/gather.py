@@ -23,7 +23,7 @@ import torch
 
 from zfunc import comm
 
-__all__ = ["UnitGatherer", "track_gathered"]
+__all__ = ["UnitGatherer", "track_gathered", "check_same_units"]
 
 _STATS = {"live": 0, "peak": 0}
 
@@ -79,6 +79,7 @@ class UnitGatherer:
         self.live: dict[int, int] = {}  # storage address -> unit index, during the unit's forward
         self.regathered: dict[int, torch.Tensor] = {}
         self.swapped: dict[int, list[tuple[torch.nn.Module, str, Any]]] = {}  # unit -> what to restore
+        self.order: list[int] = []  # the units this call ran, in order
         for i, sink in enumerate(sinks):
             # The unit's backward is done when its gradient reaches the sink: drop the regathered
             # copy then. (Deciding by graph order, never by object lifetimes, keeps every rank's
@@ -117,6 +118,7 @@ class UnitGatherer:
     def enter(self, i: int, slots: list[tuple[Any, torch.nn.Module, str]]) -> None:
         """Unit ``i``'s module starts: its parameters become views of the gathered unit."""
         full = self.gather(i)
+        self.order.append(i)
         self.live[full.untyped_storage().data_ptr()] = i
         views = self.state.layout.views(self.state.layout.units[i], full)
         # No public torch API puts a plain tensor in a parameter's place inside one forward
@@ -144,3 +146,21 @@ class UnitGatherer:
             return x.gatherer.regather(x.index).as_strided(x.size, x.stride, x.offset)
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def check_same_units(order: list[int], group: comm.Group) -> None:
+    """Raise on every rank if the ranks ran different stage-3 units (or in another order).
+
+    Units of equal size gathered in a different order would silently mix up parameters; one small
+    all-reduce after forward catches it. (A rank that skips a unit issues fewer collectives: torch's
+    ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` or the process group's timeout catches that.)
+    """
+    h = 0
+    for i in order:
+        h = (h * 1_000_003 + i + 1) % (1 << 61)
+    seen = comm.all_reduce(torch.tensor([h, -h], dtype=torch.int64), "max", group)
+    if seen[0].item() != -seen[1].item():
+        raise RuntimeError(
+            f"stage 3: the ranks ran different units in this forward (this rank ran {len(order)}: "
+            f"{order[:8]}...); every rank must run the same unit modules in the same order. Put modules "
+            "that only some ranks run in the root unit (leave them out of Config.units)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -97,11 +98,20 @@ class World:
         """
         if not self.alive:
             raise WorldError("this world was closed after an earlier failure; start a new one")
+        try:  # a queue pickles in a background thread: a failure there would only reach stderr
+            task = pickle.dumps((fn, args))
+        except Exception as e:  # noqa: BLE001 - whatever pickle raises
+            raise TypeError(f"launch: {getattr(fn, '__qualname__', fn)!r} or its arguments cannot be sent to the "
+                            f"rank processes ({type(e).__name__}: {e}); define the function at module level "
+                            "(not a lambda or a nested function) and pass picklable arguments") from e
+        del task
         for q in self._tasks:
             q.put((fn, args))
-        deadline = time.monotonic() + (timeout or self.timeout)
+        start = time.monotonic()
+        deadline = start + (timeout or self.timeout)
         got: dict[int, Any] = {}
         failures: list[str] = []
+        failed: set[int] = set()
         grace = float("inf")
         while len(got) + len(failures) < self.size:
             try:
@@ -111,8 +121,9 @@ class World:
                 late = time.monotonic() > deadline
                 if dead or late or time.monotonic() > grace:
                     why = (f"rank(s) {dead} died (exit codes {[self._procs[r].exitcode for r in dead]})"
-                           if dead else f"no answer from rank(s) {sorted(set(range(self.size)) - set(got))} "
-                                        f"within {timeout or self.timeout:.0f} s")
+                           if dead else f"no answer from rank(s) {sorted(set(range(self.size)) - set(got) - failed)} "
+                                        f"after {time.monotonic() - start:.0f} s"
+                                        + (" (another rank failed)" if failures else ""))
                     self.close(force=True)
                     raise WorldError("\n".join([*failures, why])) from None
                 continue
@@ -120,6 +131,7 @@ class World:
                 got[rank] = value
             else:
                 failures.append(f"rank {rank} failed:\n{value}")
+                failed.add(rank)
                 grace = time.monotonic() + 5.0  # let the other ranks report, then tear down
         if failures:
             self.close(force=True)

@@ -9,7 +9,8 @@ The one optimizer step of every stage, written so the algorithm reads plainly:
 3. clip: ``coef = min(1, clip / (norm + 1e-6))``, as `torch.nn.utils.clip_grad_norm_`;
 4. update: one fused pass unscales, clips, skips on overflow, applies Adam/AdamW and writes the
    compute-dtype copy;
-5. gather the updated compute parameters (stages 1-2).
+5. gather the updated compute parameters (stages 1-2);
+6. give every rank rank 0's buffers (BatchNorm statistics), as DDP's ``broadcast_buffers`` does.
 
 Nothing here reads a device value on the host.
 """
@@ -20,8 +21,8 @@ import torch
 
 import zfunc_kernels
 from zfunc import comm
-from zfunc.scaler import scaler_update
 from zfunc.layout import master_view
+from zfunc.scaler import scaler_update
 from zfunc.state import AdamState, Metrics, TrainState
 
 __all__ = ["apply_step", "learning_rate"]
@@ -85,6 +86,12 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
         -0.8072
     """
     cfg, lay, group = state.cfg, state.layout, state.group
+    lr = learning_rate(state)
+    # A schedule's non-finite or negative lr must never reach the weights: on the host (CPU) it is
+    # an error at once; on a GPU (no sync) the step is skipped and metrics.lr shows the value.
+    if lr.device.type == "cpu" and not (torch.isfinite(lr) and lr >= 0):
+        raise ValueError(f"lr_schedule: returned {lr.item()} for update {int(state.opt.count)}; a learning rate "
+                         "must be finite and >= 0. Nothing was changed")
     grad = _reduce(state, donate)
 
     # Check: found_inf and sum of squares of this rank's part, then agree across ranks.
@@ -101,7 +108,7 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
         clip_coef = torch.clamp(cfg.clip_value / (grad_norm + 1e-6), max=1.0)
     else:
         clip_coef = torch.ones((), dtype=torch.float32, device=state.device)
-    lr = learning_rate(state)
+    skip = torch.maximum(found_inf, (~(torch.isfinite(lr) & (lr >= 0))).to(torch.float32))
 
     # Update this rank's master, moments and compute copy in one pass.
     compute = state.compute if donate else state.compute.clone()
@@ -123,7 +130,7 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
     hyper = zfunc_kernels.AdamHyper(beta1=opt.betas[0], beta2=opt.betas[1], eps=opt.eps,
                                     weight_decay=opt.weight_decay, decoupled=opt.decoupled)
     scalars = zfunc_kernels.StepScalars(step=count, lr=lr, inv_scale=inv_scale, clip_coef=clip_coef,
-                                        found_inf=found_inf)
+                                        found_inf=skip)
     zfunc_kernels.fused_adam(master, grad, mu, nu, scalars, hyper, compute=compute_out)
 
     # Gather the updated compute parameters where forward reads them in full.
@@ -134,8 +141,24 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
     scaler = scaler_update(state.scaler, found_inf, cfg, state.step)
     metrics = Metrics(loss=agreed[-2] / agreed[-1],  # NaN when no loss is known (or none was run)
                       grad_norm=grad_norm, loss_scale=state.scaler.scale,
-                      skipped=found_inf, lr=lr)
-    return state.replace(params=master, compute=compute, grads=grads,
+                      skipped=skip, lr=lr)
+    return state.replace(params=master, compute=compute, grads=grads, buffers=_rank0_buffers(state),
                          opt=AdamState(mu=mu, nu=nu, count=count), scaler=scaler, step=state.step + 1,
                          micro_step=torch.zeros_like(state.micro_step), loss_sum=torch.zeros_like(state.loss_sum),
                          metrics=metrics)
+
+
+def _rank0_buffers(state: TrainState) -> dict[str, torch.Tensor]:
+    """Rank 0's buffers on every rank: one broadcast per dtype (new tensors; the input is kept)."""
+    if state.group.size == 1 or not state.buffers:
+        return state.buffers
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name, b in state.buffers.items():
+        by_dtype.setdefault(b.dtype, []).append(name)
+    out = {}
+    for names in by_dtype.values():
+        flat = torch.cat([state.buffers[n].reshape(-1) for n in names])
+        flat = comm.broadcast(flat, 0, state.group)
+        parts = torch.split(flat, [state.buffers[n].numel() for n in names])
+        out.update({n: p.view(state.buffers[n].shape) for n, p in zip(names, parts)})
+    return {n: out[n] for n in state.buffers}

@@ -1,0 +1,357 @@
+"""Faults and bad input: checkpoint paths that never lose data, damaged checkpoints, buffers equal
+across ranks, fp16 scales that cannot overflow themselves, numbers checked at the door, and
+failures that are bounded and explained."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import zfunc
+from tests.helpers import MODELS, bitwise_equal, run_ranks, snapshot, split
+from tests.test_binding import BNNet, bn_batch, bn_loss
+from zfunc.launch import WorldError
+
+
+def _state(seed: int = 0, stage: int = 2) -> zfunc.TrainState:
+    torch.manual_seed(seed)
+    return zfunc.init(BNNet(), zfunc.Config(stage=stage, persist_threshold=0, optimizer=zfunc.adamw(lr=1e-2)))
+
+
+def _trained(steps: int, stage: int = 2) -> zfunc.TrainState:
+    state = _state(stage=stage)
+    for i in range(steps):
+        state, _ = zfunc.backward_step(state, bn_loss, bn_batch(0, i))
+        state = zfunc.apply_step(state)
+    return state
+
+
+# -- checkpoint paths ------------------------------------------------------------------------
+
+def test_save_refuses_what_is_not_a_zfunc_checkpoint(tmp_path):
+    user = tmp_path / "run"
+    user.mkdir()
+    (user / "metrics.jsonl").write_text("{}\n")
+    (user / "model_final.pt").write_bytes(b"weights")
+    note = tmp_path / "notes.txt"
+    note.write_text("keep me")
+    state = _trained(1)
+    for target in (user, note):
+        with pytest.raises(zfunc.CheckpointError, match="save refuses|not a zfunc checkpoint"):
+            zfunc.save(state, str(target))
+    assert sorted(os.listdir(user)) == ["metrics.jsonl", "model_final.pt"] and note.read_text() == "keep me"
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt", "run"]  # no temporary directory left
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    zfunc.save(state, str(empty))  # an empty directory is fine
+    zfunc.save(state, str(empty))  # and so is overwriting a zfunc checkpoint
+    assert torch.equal(zfunc.load(str(empty), like=state).params, state.params)
+
+
+def test_a_failed_save_leaves_nothing_behind(tmp_path):
+    state = _trained(1)
+    path = str(tmp_path / "ckpt")
+    zfunc.save(state, path)
+    later = _trained(2)
+    with pytest.raises(zfunc.CheckpointError, match="extra cannot be stored"):
+        zfunc.save(later, path, extra={"f": lambda: 0})
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    assert torch.equal(zfunc.load(path, like=state).params, state.params)  # still the first one
+
+
+def test_engine_tags_cannot_reach_outside_their_directory(tmp_path):
+    (tmp_path / "global_step0").mkdir()
+    (tmp_path / "user.txt").write_text("x")
+    torch.manual_seed(0)
+    engine, *_ = zfunc.initialize(model=nn.Linear(3, 1), config={"train_batch_size": 1})
+    for tag in ("", ".", "..", "a/b", "latest"):
+        with pytest.raises(ValueError, match="tag"):
+            engine.save_checkpoint(str(tmp_path), tag=tag)
+    assert sorted(os.listdir(tmp_path)) == ["global_step0", "user.txt"]
+    with pytest.raises(zfunc.CheckpointError, match="not a zfunc checkpoint"):
+        (tmp_path / "global_step0" / "mine").write_text("user data")
+        engine.save_checkpoint(str(tmp_path))  # the default tag names the user's directory
+    assert (tmp_path / "global_step0" / "mine").read_text() == "user data"
+
+
+_CRASH_POINTS = ("write", "first_rename", "second_rename", "cleanup")
+
+
+def _crash_during_save(rank: int, old: str, new: str, path: str, point: str) -> None:
+    """Save the old state at ``path`` (and copies at ``old``/``new``), then die at ``point`` while
+    saving the new state over it."""
+    from zfunc import commit
+
+    first, second = _trained(1), _trained(2)
+    zfunc.save(first, old)
+    zfunc.save(second, new)
+    zfunc.save(first, path)
+    calls = {"replace": 0}
+    real_replace, real_discard, real_write = os.replace, commit.discard, zfunc.checkpoint._write
+
+    def replace(a, b):
+        if (point, calls["replace"]) in (("first_rename", 0), ("second_rename", 1)):
+            os._exit(7)
+        calls["replace"] += 1
+        real_replace(a, b)
+
+    def discard(d):
+        if point == "cleanup":
+            os._exit(7)
+        real_discard(d)
+
+    def write(file, data):
+        if point == "write" and file.endswith(commit.META):
+            os._exit(7)
+        real_write(file, data)
+
+    os.replace, commit.discard, zfunc.checkpoint._write = replace, discard, write
+    zfunc.save(second, path)
+
+
+def _leaves(path: str) -> list[torch.Tensor]:
+    return snapshot(zfunc.load(path, like=_state(), restore_rng=False))
+
+
+@pytest.mark.parametrize("point", _CRASH_POINTS)
+def test_a_crash_at_any_point_of_save_leaves_the_old_or_the_new_checkpoint(tmp_path, point):
+    old, new, path = (str(tmp_path / n) for n in ("old", "new", "ckpt"))
+    with pytest.raises(WorldError, match="died"):
+        zfunc.launch(_crash_during_save, world_size=1, args=(old, new, path, point), timeout=120)
+    got = _leaves(path)
+    expected = {"write": old, "first_rename": old, "second_rename": new, "cleanup": new}[point]
+    assert bitwise_equal(got, _leaves(expected))
+    zfunc.save(_trained(3), path)  # the next save finishes whatever was interrupted, and tidies up
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "new", "old"]
+    assert bitwise_equal(_leaves(path), snapshot(zfunc.load(path, like=_trained(3), restore_rng=False)))
+
+
+def _data_files(path: str) -> list[str]:
+    return sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".distcp"))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "metadata"])
+def test_damaged_checkpoints_raise_checkpoint_error(tmp_path, damage):
+    state = _trained(1)
+    path = zfunc.save(state, str(tmp_path / "ckpt"))
+    if damage == "truncate":
+        f = _data_files(path)[0]
+        os.truncate(f, os.path.getsize(f) // 2)
+    elif damage == "flip":
+        f = _data_files(path)[0]
+        with open(f, "rb") as fh:
+            data = bytearray(fh.read())
+        data[len(data) // 2] ^= 0x40
+        with open(f, "wb") as fh:
+            fh.write(bytes(data))
+    else:
+        with open(os.path.join(path, ".metadata"), "wb") as fh:
+            fh.write(b"garbage")
+    before = snapshot(state)
+    with pytest.raises(zfunc.CheckpointError) as info:
+        zfunc.load(path, like=state)
+    assert isinstance(info.value, Exception)
+    assert "damaged" in str(info.value) or "unreadable" in str(info.value) or "failed" in str(info.value)
+    if damage == "flip":
+        assert "p/" in str(info.value) or "f/" in str(info.value) or "s/" in str(info.value)
+    assert bitwise_equal(before, snapshot(state))
+
+
+def test_a_changed_buffer_shape_is_named(tmp_path):
+    path = zfunc.save(_trained(1), str(tmp_path / "ckpt"))
+    torch.manual_seed(0)
+    other = BNNet()
+    other.blocks[0][1].register_buffer("running_mean", torch.zeros(7))
+    with pytest.raises(zfunc.CheckpointError, match=r"blocks\.0\.1\.running_mean \[6\] vs \[7\]"):
+        zfunc.load(path, like=zfunc.init(other, zfunc.Config(stage=2)))
+
+
+# -- buffers across ranks --------------------------------------------------------------------
+
+def _bn_train(rank: int, path: str) -> list[float]:
+    state = _state()
+    for i in range(3):
+        state, _ = zfunc.backward_step(state, bn_loss, bn_batch(rank, i))  # each rank its own batch
+        state = zfunc.apply_step(state)
+    zfunc.save(state, path)
+    return [state.buffers[n].float().sum().item() for n in sorted(state.buffers)]
+
+
+def _bn_load(rank: int, path: str) -> list[float]:
+    state = zfunc.load(path, like=_state(stage=3))
+    return [state.buffers[n].float().sum().item() for n in sorted(state.buffers)]
+
+
+def test_batchnorm_statistics_stay_equal_across_ranks(tmp_path):
+    path = str(tmp_path / "ckpt")
+    trained = run_ranks(_bn_train, 2, path)
+    assert trained[0] == trained[1]  # rank 0's statistics on every rank, as DDP's broadcast_buffers
+    loaded = run_ranks(_bn_load, 3, path)
+    assert all(r == trained[0] for r in loaded)  # 2 -> 3 ranks (and stage 2 -> 3)
+
+
+# -- fp16 loss scales ------------------------------------------------------------------------
+
+def test_a_large_static_fp16_scale_matches_grad_scaler():
+    make, loss_fn, batch_fn = MODELS["gpt"]
+    cfg = zfunc.Config(stage=2, autocast=torch.float16, loss_scale=2.0**17, optimizer=zfunc.adamw(lr=1e-2))
+    torch.manual_seed(0)
+    state = zfunc.init(make(), cfg)
+    torch.manual_seed(0)
+    ref = make()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**17, growth_interval=10**6)
+    step = zfunc.train_step(loss_fn)
+    for i in range(5):
+        batch = batch_fn(i, 0, 4)
+        state = step(state, batch)
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_fn(ref, batch)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        assert state.metrics.skipped.item() == 0 and scaler.get_scale() == 2.0**17
+        assert state.metrics.loss.item() == pytest.approx(loss.item(), rel=1e-2)
+    assert state.scaler.skipped.item() == 0
+
+
+def test_the_default_dynamic_scale_does_not_skip_at_world_one():
+    make, loss_fn, batch_fn = MODELS["gpt"]
+    torch.manual_seed(0)
+    state = zfunc.init(make(), zfunc.Config(stage=0, precision="fp16", loss_scale=zfunc.DynamicLossScale()))
+    step = zfunc.train_step(loss_fn)
+    for i in range(3):
+        state = step(state, batch_fn(i, 0, 4))
+    assert state.scaler.skipped.item() == 0 and state.scaler.scale.item() == 2.0**16
+
+
+# -- numbers at the door -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("make,field", [
+    (lambda: zfunc.adamw(eps=math.inf), "optimizer.eps"),
+    (lambda: zfunc.adamw(weight_decay=math.inf), "optimizer.weight_decay"),
+    (lambda: zfunc.adamw(lr=math.nan), "optimizer.lr"),
+    (lambda: zfunc.Config(loss_scale=1e39, precision="fp16"), "loss_scale"),
+    (lambda: zfunc.DynamicLossScale(init=math.inf), "loss_scale.init"),
+    (lambda: zfunc.Config(clip=math.inf), "clip"),
+    (lambda: zfunc.Config.from_deepspeed({"train_batch_size": 1, "fp16": {"enabled": True, "initial_scale_power": 2000}}),
+     "fp16.initial_scale_power"),
+    (lambda: zfunc.Config.from_deepspeed({"train_batch_size": 1, "fp16": {"enabled": True, "loss_scale": 1e39}}),
+     "fp16.loss_scale"),
+    (lambda: zfunc.Config.from_deepspeed({"train_batch_size": 2}, world_size=0), "world_size"),
+    (lambda: zfunc.Config.from_deepspeed({"train_batch_size": 1, "optimizer": {"params": {"betas": 0.9}}}),
+     "optimizer.params.betas"),
+    (lambda: zfunc.Config.from_deepspeed({"train_batch_size": 1, "optimizer": {"params": {"eps": -1}}}),
+     "optimizer.params.eps"),
+    (lambda: zfunc.Config.from_deepspeed({"train_batch_size": 1, "optimizer": {"type": "Adam",
+                                                                              "params": {"adam_w_mode": "false"}}}),
+     "optimizer.params.adam_w_mode"),
+])
+def test_out_of_range_numbers_are_refused_by_name(make, field):
+    with pytest.raises(zfunc.ConfigError) as info:
+        make()
+    message = str(info.value)
+    assert message.startswith(field + ":"), message
+    assert f"{field}.{field}" not in message and "fp16.fp16" not in message
+
+
+def test_a_bad_learning_rate_from_a_schedule_stops_before_the_weights():
+    for bad in (math.nan, -1.0, math.inf):
+        state = zfunc.init(nn.Linear(3, 1), zfunc.Config(stage=0, lr_schedule=lambda step, bad=bad: bad))
+        state, _ = zfunc.backward_step(state, lambda m, x: m(x).sum(), torch.ones(2, 3))
+        before = snapshot(state)
+        with pytest.raises(ValueError, match="lr_schedule: returned"):
+            zfunc.apply_step(state, donate=True)
+        assert bitwise_equal(before, snapshot(state))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex64])
+def test_parameters_zfunc_cannot_train_exactly_are_refused(dtype):
+    model = nn.Linear(2, 2)
+    model.weight = nn.Parameter(model.weight.detach().to(dtype))
+    with pytest.raises(zfunc.ConfigError, match=rf"'weight \({dtype}\)'"):
+        zfunc.init(model, zfunc.Config())
+
+
+# -- bounded, explained failures ------------------------------------------------------------
+
+def _different_stage(rank: int) -> str:
+    try:
+        zfunc.init(nn.Linear(3, 2), zfunc.Config(stage=1 + rank))
+    except zfunc.ConfigError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_config_that_differs_across_ranks_is_named_on_every_rank():
+    t0 = time.monotonic()
+    for msg in run_ranks(_different_stage, 2):
+        assert msg.startswith("stage: differs across ranks (rank 0: 1, rank 1: 2)"), msg
+    assert time.monotonic() - t0 < 30
+
+
+class Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def forward(self, x, order):
+        for i in order:
+            x = self.blocks[i](x)
+        return x
+
+
+def _swapped_units(rank: int) -> str:
+    torch.manual_seed(0)
+    state = zfunc.init(Pair(), zfunc.Config(stage=3, persist_threshold=0))
+    order = [0, 1] if rank == 0 else [1, 0]  # equal sizes: the gathers would silently mix up
+    try:
+        zfunc.backward_step(state, lambda m, x: m(x, order).sum(), torch.ones(2, 4))
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_stage3_units_run_in_another_order_per_rank_are_detected():
+    for msg in run_ranks(_swapped_units, 2):
+        assert msg.startswith("stage 3: the ranks ran different units"), msg
+
+
+def test_launch_refuses_a_function_it_cannot_send_at_once():
+    t0 = time.monotonic()
+    with pytest.raises(TypeError, match="cannot be sent to the rank processes"):
+        zfunc.launch(lambda rank: rank, world_size=1)
+    assert time.monotonic() - t0 < 10
+
+
+def _fail_fast(rank: int) -> None:
+    if rank == 0:
+        raise ValueError("boom")
+    time.sleep(120)
+
+
+def test_world_error_reports_the_real_elapsed_time():
+    with pytest.raises(WorldError) as info:
+        zfunc.launch(_fail_fast, world_size=2, timeout=60)
+    message = str(info.value)
+    assert "boom" in message and "rank 0 failed" in message
+    seconds = int(message.rsplit("after ", 1)[1].split(" s")[0])
+    assert seconds < 30 and "rank(s) [1]" in message, message
+
+
+def test_engine_step_without_backward_is_refused():
+    torch.manual_seed(0)
+    engine, *_ = zfunc.initialize(model=nn.Linear(3, 1), config={"train_batch_size": 1})
+    before = snapshot(engine.state)
+    with pytest.raises(RuntimeError, match="no backward reached the model"):
+        engine.step()
+    assert bitwise_equal(before, snapshot(engine.state)) and engine.global_steps == 0
+    engine(torch.ones(1, 3)).sum().backward()
+    engine.step()
+    assert engine.global_steps == 1
