@@ -24,10 +24,11 @@ def test_config_errors_name_the_field(kwargs, match):
         zfunc.Config(**kwargs)
 
 
-@pytest.mark.parametrize("lr", [0, -1e-3, float("nan"), float("inf")])
-def test_non_positive_lr(lr):
-    with pytest.raises(zfunc.ConfigError, match=r"optimizer.lr: expected a positive finite number"):
+@pytest.mark.parametrize("lr", [-1e-3, float("nan"), float("inf")])
+def test_negative_or_non_finite_lr(lr):
+    with pytest.raises(zfunc.ConfigError, match=r"optimizer.lr: expected a finite number >= 0"):
         zfunc.adamw(lr=lr)
+    assert zfunc.adamw(lr=0).lr == 0  # as torch.optim.AdamW: a frozen-by-lr group is allowed
 
 
 def test_bad_betas_and_eps():

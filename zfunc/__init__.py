@@ -30,15 +30,19 @@ from zfunc.memory import memory_plan as memory_plan
 from zfunc.memory import memory_report as memory_report
 from zfunc.optim import AdamConfig as AdamConfig
 from zfunc.optim import adam as adam
+from zfunc.optim import ParamGroup as ParamGroup
 from zfunc.optim import adamw as adamw
 from zfunc.scaler import DynamicLossScale as DynamicLossScale
 from zfunc.scaler import ScalerState as ScalerState
 from zfunc.state import AdamState as AdamState
+from zfunc.state import GroupHyper as GroupHyper
 from zfunc.state import Metrics as Metrics
 from zfunc.state import TrainState as TrainState
 from zfunc.train import train_step as train_step
 from zfunc.update import apply_step as apply_step
 from zfunc.update import learning_rate as learning_rate
+from zfunc.update import learning_rates as learning_rates
+from zfunc.update import set_hyperparams as set_hyperparams
 
 __version__ = "0.1.0"
 
@@ -50,7 +54,9 @@ __all__ = [
     "ConfigError",
     "DynamicLossScale",
     "Engine",
+    "GroupHyper",
     "Metrics",
+    "ParamGroup",
     "ScalerState",
     "TrainState",
     "World",
@@ -68,11 +74,13 @@ __all__ = [
     "initialize",
     "launch",
     "learning_rate",
+    "learning_rates",
     "load",
     "memory_plan",
     "memory_report",
     "save",
     "schedules",
+    "set_hyperparams",
     "train_step",
     "tree",
     "vjp",

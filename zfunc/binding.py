@@ -141,9 +141,10 @@ class ModuleBinding:
         direct calls from now on. What ``init(..., donate=True)`` does."""
         if self.module in _DONATED:
             return
-        for p in self.module.parameters():
-            if p.requires_grad:
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        named = dict(self.module.named_parameters())
+        for name in self.layout.names:  # the trained ones; frozen parameters stay the module's
+            p = named[name]
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self._handles.append(self.module.register_forward_pre_hook(self._refuse))
         self.donated = True
         _DONATED[self.module] = self

@@ -75,6 +75,8 @@ def _scalars(state: TrainState) -> dict[str, torch.Tensor]:
         picked["scaler/" + "/".join(map(str, path))] = leaf
     for path, leaf in zip(tree.paths(state.metrics), tree.leaves(state.metrics)):
         picked["metrics/" + "/".join(map(str, path))] = leaf
+    for path, leaf in zip(tree.paths(state.hyper), tree.leaves(state.hyper)):
+        picked["hyper/" + "/".join(map(str, path))] = leaf
     return {f"s/{k}": v.detach().cpu().clone() for k, v in picked.items()}
 
 
@@ -133,6 +135,7 @@ def save(state: TrainState, path: str | os.PathLike, *, extra: dict[str, Any] | 
                     "master_dtype": str(state.params.dtype), "moment_dtype": str(state.opt.mu.dtype),
                     "frozen": sorted(_replicated(state)),
                     "replicated": {n: list(t.shape) for n, t in _replicated(state).items()},
+                    "groups": state.hyper.lr.numel(),
                     "crc": {k: v for c in crcs for k, v in c.items()}}
             _write(os.path.join(tmp, "extra.pt"), extra_bytes.getvalue())
             _write(os.path.join(tmp, commit.META), json.dumps(meta, indent=1))
@@ -245,6 +248,8 @@ def _check_fits(meta: dict[str, Any], like: TrainState, path: str) -> None:
     for key, have in (("master_dtype", like.params.dtype), ("moment_dtype", like.opt.mu.dtype)):
         if meta[key] != str(have):
             problems.append(f"{key} is {meta[key]} in the checkpoint but {have} in the state")
+    if meta["groups"] != like.hyper.lr.numel():
+        problems.append(f"parameter groups: {meta['groups']} in the checkpoint, {like.hyper.lr.numel()} in the state")
     mine = {n: list(t.shape) for n, t in _replicated(like).items()}
     if sorted(mine) != sorted(meta["replicated"]):
         problems.append(f"frozen parameters/buffers differ: {sorted(meta['replicated'])[:5]} vs {sorted(mine)[:5]}")
@@ -361,11 +366,13 @@ def _assemble(like: TrainState, roles: dict[str, torch.Tensor], s: dict[str, tor
                             [s["scaler/" + "/".join(map(str, p))] for p in tree.paths(like.scaler)])
     metrics = tree.unflatten(tree.structure(like.metrics),
                              [s["metrics/" + "/".join(map(str, p))] for p in tree.paths(like.metrics)])
+    hyper = tree.unflatten(tree.structure(like.hyper),  # on the host, as in every state
+                           [s["hyper/" + "/".join(map(str, p))].cpu() for p in tree.paths(like.hyper)])
     if rng is not None:
         torch.set_rng_state(rng)
     return like.replace(params=master, compute=compute, grads=torch.zeros_like(like.grads),
                         opt=AdamState(mu=roles["mu"], nu=roles["nu"], count=s["count"]),
-                        scaler=scaler, metrics=metrics, step=s["step"], micro_step=s["micro_step"],
+                        hyper=hyper, scaler=scaler, metrics=metrics, step=s["step"], micro_step=s["micro_step"],
                         loss_sum=s["loss_sum"], frozen={n: frozen[n] for n in like.frozen},
                         buffers={n: frozen[n] for n in like.buffers})
 

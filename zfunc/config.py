@@ -14,10 +14,10 @@ import torch
 
 from zfunc.deepspeed_config import translate
 from zfunc.errors import ConfigError, check, is_finite_number, is_number, is_positive_int
-from zfunc.optim import AdamConfig, adam, adamw
+from zfunc.optim import AdamConfig, ParamGroup, adam, adamw
 from zfunc.scaler import FLOAT32_MAX, DynamicLossScale
 
-__all__ = ["Config", "ConfigError", "AdamConfig", "adam", "adamw", "DynamicLossScale"]
+__all__ = ["Config", "ConfigError", "AdamConfig", "ParamGroup", "adam", "adamw", "DynamicLossScale"]
 
 _PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _MASTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -45,6 +45,11 @@ class Config:
         lr_schedule: callable ``step -> lr`` (see `zfunc.schedules`), or ``None`` for a constant.
         units: stage 3: module names or classes gathered as one unit each (default: the
             elements of the model's ``nn.ModuleList``s, e.g. its transformer blocks).
+        param_groups: `zfunc.ParamGroup`s giving some parameters their own learning rate, weight
+            decay, betas or eps (group ``i + 1``; parameters in none are group 0, the
+            optimizer's own).
+        freeze: names of parameters to keep fixed besides those with ``requires_grad=False``
+            (what a DeepSpeed ``model_parameters`` list leaves out); the module is not changed.
         persist_threshold: stage 3: parameters of at most this many elements stay in the root
             unit, gathered once per forward (DeepSpeed's ``stage3_param_persistence_threshold``).
         align: elements each rank's shard is padded to a multiple of (keeps shards 16-byte aligned).
@@ -71,6 +76,8 @@ class Config:
     autocast: torch.dtype | None = None
     lr_schedule: Callable[[Any], Any] | None = None
     units: Sequence[str | type] | None = None
+    param_groups: Sequence[ParamGroup] = ()
+    freeze: Sequence[str] = ()
     persist_threshold: int = 100_000
     align: int = 4
 
@@ -106,6 +113,12 @@ class Config:
                "units", "None or a list of module names or module classes", self.units)
         if self.units is not None:
             object.__setattr__(self, "units", tuple(self.units))
+        check(isinstance(self.param_groups, (list, tuple)) and all(isinstance(g, ParamGroup) for g in self.param_groups),
+              "param_groups", "a list of zfunc.ParamGroup", self.param_groups)
+        object.__setattr__(self, "param_groups", tuple(self.param_groups))
+        check(isinstance(self.freeze, (list, tuple, set, frozenset)) and all(isinstance(n, str) for n in self.freeze),
+              "freeze", "a list of parameter names", self.freeze)
+        object.__setattr__(self, "freeze", tuple(self.freeze))
         if (self.precision == "bf16" or self.autocast == torch.bfloat16) and self.loss_scale is not None:
             raise ConfigError("loss_scale: bf16 needs no loss scaling (its range is fp32's); "
                               "set loss_scale=None, or use precision='fp16'")

@@ -14,10 +14,26 @@ from zfunc.binding import ModuleBinding, donated_binding
 from zfunc.config import Config
 from zfunc.errors import ConfigError
 from zfunc.layout import make_layout, master_view
+from zfunc.optim import assign_groups
 from zfunc.scaler import scaler_init
-from zfunc.state import AdamState, Metrics, TrainState
+from zfunc.state import AdamState, GroupHyper, Metrics, TrainState
 
-__all__ = ["init", "full_params", "gather_by_name", "units_of"]
+__all__ = ["init", "full_params", "gather_by_name", "units_of", "group_hyper", "trainable_params"]
+
+
+def trainable_params(model: torch.nn.Module, cfg: Config) -> dict[str, torch.Tensor]:
+    """The parameters ``cfg`` trains: ``requires_grad`` and not in ``cfg.freeze``, by name.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> sorted(trainable_params(torch.nn.Linear(2, 1), zfunc.Config(freeze=["bias"])))
+        ['weight']
+    """
+    named = dict(model.named_parameters())
+    unknown = sorted(set(cfg.freeze) - set(named))
+    if unknown:
+        raise ConfigError(f"freeze: {unknown[:5]} are not parameters of the model")
+    return {n: p for n, p in named.items() if p.requires_grad and n not in cfg.freeze}
 
 
 def _signature(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:
@@ -62,12 +78,14 @@ def _default_units(model: torch.nn.Module) -> list[str]:
 
 
 def units_of(model: torch.nn.Module, cfg: Config,
-           trainable: dict[str, torch.Tensor]) -> tuple[list[list[tuple[str, tuple]]], list[str]]:
+           trainable: dict[str, torch.Tensor]) -> tuple[list[list[tuple[str, tuple, int]]], list[str]]:
     """Group trainable parameters into units: one for stages 0-2; for stage 3 one per unit
     module, plus ``"root"`` for the rest, for small parameters and for weights shared by two
-    units."""
+    units. Each entry is ``(name, shape, parameter group)``."""
+    frozen = [n for n, _ in model.named_parameters() if n not in trainable]
+    group_of = assign_groups(cfg.param_groups, trainable, frozen)
     if cfg.stage < 3:
-        return [[(n, tuple(p.shape)) for n, p in trainable.items()]], ["model"]
+        return [[(n, tuple(p.shape), group_of[n]) for n, p in trainable.items()]], ["model"]
     wanted = cfg.units if cfg.units is not None else _default_units(model)
     unknown = [u for u in wanted if isinstance(u, str) and u not in dict(model.named_modules())]
     if unknown:
@@ -83,15 +101,36 @@ def units_of(model: torch.nn.Module, cfg: Config,
         elif not inside and mname not in unit_names:  # used outside every unit: must be in root
             for p in mod.parameters(recurse=False):
                 owner.setdefault(id(p), set()).add("")
-    groups: dict[str, list[tuple[str, tuple]]] = {"root": []}
+    groups: dict[str, list[tuple[str, tuple, int]]] = {"root": []}
     for n, p in trainable.items():
         units = owner.get(id(p), set())
         unit = next(iter(units)) if len(units) == 1 and p.numel() > cfg.persist_threshold else ""
         unit = unit or "root"
-        groups.setdefault(unit, []).append((n, tuple(p.shape)))
+        groups.setdefault(unit, []).append((n, tuple(p.shape), group_of[n]))
     if not groups["root"]:
         del groups["root"]
     return list(groups.values()), list(groups)
+
+
+def group_hyper(cfg: Config) -> GroupHyper:
+    """The hyperparameters of the optimizer (group 0) and of each `zfunc.ParamGroup`, on the host.
+
+    Examples:
+        >>> import zfunc
+        >>> cfg = zfunc.Config(optimizer=zfunc.adamw(lr=0.1), param_groups=[zfunc.ParamGroup("b", lr=0.2)])
+        >>> group_hyper(cfg).lr.tolist()
+        [0.1, 0.2]
+    """
+    opt = cfg.optimizer
+
+    def pick(value: float | None, default: float) -> float:
+        return default if value is None else float(value)
+
+    rows = [(opt.lr, opt.weight_decay, *opt.betas, opt.eps)]
+    rows += [(pick(g.lr, opt.lr), pick(g.weight_decay, opt.weight_decay), *(g.betas or opt.betas), pick(g.eps, opt.eps))
+             for g in cfg.param_groups]
+    table = torch.tensor(rows, dtype=torch.float64)
+    return GroupHyper(*(table[:, i].clone() for i in range(5)))
 
 
 def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *,
@@ -134,9 +173,9 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
         raise ConfigError(f"model: parameters {odd[:3]} have a dtype zfunc does not train (float32, bfloat16 or "
                           "float16 only; float64 would be rounded and complex parts dropped); convert them, e.g. "
                           "model.float(), or keep them out of the model")
-    trainable = {n: p for n, p in named.items() if p.requires_grad}
+    trainable = trainable_params(model, cfg)
     if not trainable:
-        raise ConfigError("model: has no parameter with requires_grad=True; nothing to train")
+        raise ConfigError("model: has no parameter with requires_grad=True (outside Config.freeze); nothing to train")
     device = next(iter(trainable.values())).device
     units, unit_names = units_of(model, cfg, trainable)
     layout = make_layout(units, world=group.size, rank=group.rank, align=cfg.align, names=unit_names)
@@ -146,7 +185,7 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
         low = t.dtype in (torch.float32, torch.bfloat16, torch.float16)
         return comm.broadcast(t.detach(), 0, group).to(cdt if low else t.dtype)
 
-    frozen = {n: replicated(p) for n, p in named.items() if not p.requires_grad}
+    frozen = {n: replicated(p) for n, p in named.items() if n not in trainable}
     buffers = {n: replicated(b) for n, b in model.named_buffers()}
 
     full_master = [comm.broadcast(layout.flatten_unit(u, trainable, mdt, device), 0, group)
@@ -169,14 +208,17 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
         return torch.tensor(v, dtype=dtype, device=device)
 
     scaler = scaler_init(cfg, device)
-    lr0 = cfg.lr_schedule(0) if cfg.lr_schedule else cfg.optimizer.lr
+    hyper = group_hyper(cfg)
+    lr0 = hyper.lr[layout.groups[0]].item()
+    if cfg.lr_schedule is not None:
+        lr0 = float(cfg.lr_schedule(0)) * (lr0 / cfg.optimizer.lr if cfg.optimizer.lr > 0 else 1.0)
     binding = ModuleBinding(model, layout, cfg.stage)
     if donate:
         binding.donate()
     return TrainState(
         params=params, compute=compute,
         grads=torch.zeros(grads_numel, dtype=cfg.grad_accum_dtype, device=device),
-        opt=AdamState(mu=zeros, nu=zeros.clone(), count=scalar(0, torch.int64)),
+        opt=AdamState(mu=zeros, nu=zeros.clone(), count=scalar(0, torch.int64)), hyper=hyper,
         scaler=scaler, step=scalar(0, torch.int64), micro_step=torch.zeros((), dtype=torch.int64),
         loss_sum=scalar(0.0),
         metrics=Metrics(loss=scalar(float("nan")), grad_norm=scalar(0.0), loss_scale=scaler.scale.clone(),

@@ -28,8 +28,9 @@ from zfunc.create import init
 from zfunc.deepspeed_config import BatchSizes, translate
 from zfunc.errors import ConfigError
 from zfunc.optim import AdamConfig
+from zfunc.shim_optim import OptimizerView, plan_groups
 from zfunc.state import TrainState
-from zfunc.update import apply_step
+from zfunc.update import apply_step, learning_rates, set_hyperparams
 
 __all__ = ["Engine", "initialize", "init_distributed", "add_config_arguments"]
 
@@ -52,7 +53,8 @@ class Engine:
     """
 
     def __init__(self, model: torch.nn.Module, cfg: Config, *, group: comm.Group | None = None,
-                 batch: BatchSizes | None = None):
+                 batch: BatchSizes | None = None, optimizer_groups: list[dict[str, Any]] | None = None,
+                 lr_scheduler: Any = None):
         self.module = model
         self.config = cfg
         self.micro_steps = 0
@@ -62,8 +64,15 @@ class Engine:
         self._applied = False
         self._pending_loss: torch.Tensor | None = None
         self.state = init(model, cfg, group, donate=cfg.stage == 3)
-        self.optimizer = _OptimizerView(self)
-        self.lr_scheduler = _SchedulerView(self) if cfg.lr_schedule is not None else None
+        self.optimizer = OptimizerView(self, optimizer_groups)
+        if cfg.lr_schedule is not None:
+            if lr_scheduler is not None:
+                raise ConfigError("lr_scheduler: the config has a 'scheduler' section too; use one of them")
+            self.lr_scheduler: Any = _SchedulerView(self)
+        elif lr_scheduler is not None and not hasattr(lr_scheduler, "step"):
+            self.lr_scheduler = lr_scheduler(self.optimizer)  # DeepSpeed's callable form
+        else:
+            self.lr_scheduler = lr_scheduler
 
     # -- the state ---------------------------------------------------------------------------
     @property
@@ -146,7 +155,6 @@ class Engine:
 
     def step(self, lr_kwargs: Mapping[str, Any] | None = None) -> None:
         """End a micro-step; at the accumulation boundary apply the optimizer step."""
-        del lr_kwargs  # schedules are functions of the applied-step count, in the state
         if not self._backward_seen:
             raise RuntimeError(
                 "engine.step(): no backward reached the model since the last step(); call engine.backward(loss) "
@@ -156,11 +164,19 @@ class Engine:
         self._pending_loss = None
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
+            for g, values in self.optimizer.changes():  # live edits of optimizer.param_groups
+                st = set_hyperparams(st, g, **values)
             st = apply_step(st, donate=True)
             self.global_samples += self._batch.train_batch_size if self._batch else 0
         self._state = st  # same buffers: sinks and module views stay valid
         self._applied = boundary
         self.micro_steps += 1
+        if boundary and self.config.lr_schedule is not None:
+            self.optimizer.write_back()  # show the schedule's next learning rates, as DeepSpeed does
+        elif boundary and self.lr_scheduler is not None and self.was_step_applied():
+            # As DeepSpeed: a torch scheduler advances after each applied step (not a skipped one).
+            getattr(self.lr_scheduler, "optimizer", self.optimizer)._opt_called = True
+            self.lr_scheduler.step(**(lr_kwargs or {}))
 
     def zero_grad(self) -> None:
         """Drop the gradients accumulated since the last step."""
@@ -184,11 +200,11 @@ class Engine:
         return self._state.scaler.scale.item()
 
     def get_lr(self) -> list[float]:
-        """The learning rate the next applied step will use, as DeepSpeed's one-group list."""
-        cfg = self.config
-        if cfg.lr_schedule is None:
-            return [float(cfg.optimizer.lr)]
-        return [float(torch.as_tensor(cfg.lr_schedule(self._state.opt.count), dtype=torch.float64).item())]
+        """The learning rate each group of ``optimizer.param_groups`` uses at the next applied step."""
+        if self.config.lr_schedule is None:
+            return [float(d["lr"]) for d in self.optimizer.param_groups]
+        lrs = learning_rates(self._state).tolist()
+        return [lrs[g] for g in self.optimizer.index]
 
     # -- DeepSpeed's read-only accessors ----------------------------------------------------
     def train_batch_size(self) -> int | None:
@@ -263,6 +279,7 @@ class Engine:
         path = os.path.join(os.fspath(load_dir), _check_tag(tag))
         extra = read_extra(path)
         self.state = load(path, like=self._state)
+        self.optimizer.write_back()  # the loaded hyperparameters (e.g. a hand-set lr) in the groups
         self.micro_steps, self.global_samples = extra["micro_steps"], extra["global_samples"]
         return path, extra["client_state"]
 
@@ -283,23 +300,6 @@ def _check_tag(tag: Any) -> str:
     return text
 
 
-class _OptimizerView:
-    """What ``initialize`` returns as the optimizer: hyperparameters to read, ``zero_grad``."""
-
-    def __init__(self, engine: Engine):
-        self._engine = engine
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        opt = self._engine.config.optimizer
-        return [{"lr": self._engine.get_lr()[0], "betas": opt.betas, "eps": opt.eps,
-                 "weight_decay": opt.weight_decay}]
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        del set_to_none
-        self._engine.zero_grad()
-
-
 class _SchedulerView:
     """What ``initialize`` returns as the scheduler; the engine advances it with applied steps."""
 
@@ -315,18 +315,6 @@ class _SchedulerView:
         """A no-op: the schedule follows the applied-step count in the state."""
 
 
-def _optimizer_config(optimizer: Any) -> AdamConfig:
-    if isinstance(optimizer, AdamConfig):
-        return optimizer
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        g = optimizer.param_groups[0]
-        decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(g.get("decoupled_weight_decay"))
-        return AdamConfig(lr=float(g["lr"]), betas=tuple(g["betas"]), eps=g["eps"],
-                          weight_decay=g["weight_decay"], decoupled=decoupled)
-    raise ConfigError(f"optimizer: expected None, zfunc.adam(...)/adamw(...), or a torch.optim.Adam/AdamW, "
-                      f"got {type(optimizer).__name__}")
-
-
 def initialize(model: torch.nn.Module, config: Mapping[str, Any] | str | os.PathLike | Config | None = None,
                model_parameters: Iterable[torch.nn.Parameter] | None = None, optimizer: Any = None,
                lr_scheduler: Any = None, *, group: comm.Group | None = None,
@@ -336,10 +324,15 @@ def initialize(model: torch.nn.Module, config: Mapping[str, Any] | str | os.Path
     Args:
         model: the module.
         config: a DeepSpeed config dict or JSON path (or a `zfunc.Config`).
-        model_parameters: the parameters to train; the module's others stay frozen.
-        optimizer: ``None`` (the config's), a `zfunc.adamw(...)`, or a torch Adam/AdamW whose
-            hyperparameters are taken.
-        lr_scheduler: must be ``None``: use the config's ``scheduler`` or ``Config.lr_schedule``.
+        model_parameters: the parameters to train (the module's others stay fixed), or parameter
+            groups: dicts with ``params`` and any of ``lr``, ``weight_decay``, ``betas``, ``eps``
+            (other values come from the config's optimizer).
+        optimizer: ``None`` (the config's), a `zfunc.adamw(...)`, or a torch Adam/AdamW: each of
+            its parameter groups becomes a zfunc group with that group's hyperparameters; a group
+            key zfunc cannot honour is a `ConfigError`.
+        lr_scheduler: ``None`` (the config's ``scheduler``, if any), a torch ``LRScheduler``
+            (built on ``optimizer``), or a callable taking the returned optimizer and returning
+            one; it is stepped after each applied optimizer step, as DeepSpeed does.
         group: the ranks (default: the world).
 
     Examples:
@@ -352,9 +345,6 @@ def initialize(model: torch.nn.Module, config: Mapping[str, Any] | str | os.Path
     config = kwargs.pop("config_params", config)
     if kwargs:
         raise TypeError(f"initialize: unexpected arguments {sorted(kwargs)}")
-    if lr_scheduler is not None:
-        raise ConfigError("lr_scheduler: zfunc schedules are functions of the step count; use the config's "
-                          "'scheduler' section or zfunc.Config(lr_schedule=zfunc.schedules....)")
     group = group or comm.world()
     batch = None
     if isinstance(config, Config):
@@ -362,14 +352,15 @@ def initialize(model: torch.nn.Module, config: Mapping[str, Any] | str | os.Path
     else:
         fields, batch = translate(config or {"train_micro_batch_size_per_gpu": 1}, world_size=group.size)
         cfg = Config(**fields)
-    if optimizer is not None:
-        cfg = cfg.replace(optimizer=_optimizer_config(optimizer))
-    if model_parameters is not None:
-        keep = {id(p) for p in model_parameters}
-        for p in model.parameters():
-            if id(p) not in keep:
-                p.requires_grad_(False)
-    engine = Engine(model, cfg, group=group, batch=batch)
+    if optimizer is not None and not isinstance(optimizer, (AdamConfig, torch.optim.Optimizer)):
+        raise ConfigError(f"optimizer: expected None, zfunc.adam(...)/adamw(...), or a torch.optim.Adam/AdamW, "
+                          f"got {type(optimizer).__name__}")
+    plan = plan_groups(model, cfg.optimizer, optimizer=optimizer, model_parameters=model_parameters)
+    if plan.dicts is not None:
+        cfg = cfg.replace(optimizer=plan.optimizer, param_groups=plan.groups, freeze=plan.freeze)
+    elif isinstance(optimizer, AdamConfig):
+        cfg = cfg.replace(optimizer=optimizer)
+    engine = Engine(model, cfg, group=group, batch=batch, optimizer_groups=plan.dicts, lr_scheduler=lr_scheduler)
     return engine, engine.optimizer, None, engine.lr_scheduler
 
 

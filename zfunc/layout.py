@@ -12,6 +12,7 @@ The layout is computed once from names and shapes and is static metadata of the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -28,6 +29,7 @@ class Slot:
     name: str
     shape: tuple[int, ...]
     offset: int
+    group: int = 0  # its parameter group (hyperparameters); a unit keeps each group contiguous
 
     @property
     def numel(self) -> int:
@@ -83,6 +85,38 @@ class Layout:
     def names(self) -> tuple[str, ...]:
         return tuple(s.name for u in self.units for s in u.slots)
 
+    @functools.cached_property
+    def groups(self) -> tuple[int, ...]:
+        """The parameter groups that hold parameters, ascending."""
+        return tuple(sorted({s.group for u in self.units for s in u.slots}))
+
+    @functools.cached_property
+    def arena_segments(self) -> tuple[tuple[int, int, int], ...]:
+        """``(group, start, length)`` runs of one parameter group covering this rank's arena."""
+        return self._segments(full=False)
+
+    @functools.cached_property
+    def full_segments(self) -> tuple[tuple[int, int, int], ...]:
+        """``(group, start, length)`` runs covering all units' padded flat buffers (stage 0)."""
+        return self._segments(full=True)
+
+    def _segments(self, full: bool) -> tuple[tuple[int, int, int], ...]:
+        out: list[list[int]] = []
+        base = 0
+        for u in self.units:
+            lo, hi = (0, u.padded) if full else self.owned(u)
+            for i, s in enumerate(u.slots):  # a slot's run reaches the next slot (the last: the padding)
+                end = u.slots[i + 1].offset if i + 1 < len(u.slots) else u.padded
+                a, b = max(lo, s.offset), min(hi, end)
+                if a >= b:
+                    continue
+                if out and out[-1][0] == s.group and out[-1][1] + out[-1][2] == base + a - lo:
+                    out[-1][2] += b - a
+                else:
+                    out.append([s.group, base + a - lo, b - a])
+            base += hi - lo
+        return tuple((g, start, n) for g, start, n in out)
+
     def owned(self, unit: Unit) -> tuple[int, int]:
         """The ``[start, stop)`` range of ``unit``'s flat buffer that this rank owns."""
         return self.rank * unit.shard, (self.rank + 1) * unit.shard
@@ -121,20 +155,28 @@ class Layout:
         return rearrange(flat, "(r s) -> r s", r=self.world)
 
 
-def make_layout(units: Sequence[Sequence[tuple[str, Sequence[int]]]], *, world: int, rank: int,
+def make_layout(units: Sequence[Sequence[tuple]], *, world: int, rank: int,
                 align: int = 4, names: Sequence[str] | None = None) -> Layout:
-    """Lay out ``units`` (each a list of ``(name, shape)``) for ``rank`` of ``world`` ranks.
+    """Lay out ``units`` (each a list of ``(name, shape)`` or ``(name, shape, group)``) for
+    ``rank`` of ``world`` ranks.
 
-    Each unit is padded to a multiple of ``world * align`` elements, so every shard has the
-    same size and (for ``align=4`` and 4-byte dtypes) starts 16-byte aligned.
+    Within a unit, parameters are ordered by group (stably), so each group is one run of the
+    unit's flat buffer. Each unit is padded to a multiple of ``world * align`` elements, so every
+    shard has the same size and (for ``align=4`` and 4-byte dtypes) starts 16-byte aligned.
+
+    Examples:
+        >>> lay = make_layout([[("w", (2, 2), 0), ("b", (2,), 1), ("v", (2,), 0)]], world=2, rank=0, align=1)
+        >>> [s.name for s in lay.units[0].slots], lay.arena_segments, lay.full_segments
+        (['w', 'v', 'b'], ((0, 0, 4),), ((0, 0, 6), (1, 6, 2)))
     """
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is outside a world of {world}")
     out, arena = [], 0
     for i, unit in enumerate(units):
         slots, offset = [], 0
-        for name, shape in unit:
-            slot = Slot(name=name, shape=tuple(int(d) for d in shape), offset=offset)
+        entries = sorted(((e[0], e[1], e[2] if len(e) > 2 else 0) for e in unit), key=lambda e: e[2])
+        for name, shape, group in entries:
+            slot = Slot(name=name, shape=tuple(int(d) for d in shape), offset=offset, group=group)
             slots.append(slot)
             offset += slot.numel
         multiple = world * align

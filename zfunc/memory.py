@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from zfunc.config import Config
-from zfunc.create import units_of
+from zfunc.create import trainable_params, units_of
 from zfunc.layout import make_layout
 from zfunc.state import TrainState
 
@@ -53,7 +53,7 @@ def memory_plan(model: torch.nn.Module, cfg: Config, world_size: int) -> dict[st
         2 5.25 MiB per rank
         3 1.91 MiB per rank
     """
-    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    trainable = trainable_params(model, cfg)
     units, names = units_of(model, cfg, trainable)
     lay = make_layout(units, world=world_size, rank=0, align=cfg.align, names=names)
     size = lambda dt: torch.empty((), dtype=dt).element_size()  # noqa: E731

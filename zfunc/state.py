@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from zfunc.layout import Layout
     from zfunc.scaler import ScalerState
 
-__all__ = ["TrainState", "AdamState", "Metrics"]
+__all__ = ["TrainState", "AdamState", "GroupHyper", "Metrics"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,29 @@ class AdamState:
     mu: torch.Tensor
     nu: torch.Tensor
     count: torch.Tensor
+
+
+@dataclass(frozen=True)
+class GroupHyper:
+    """Each parameter group's hyperparameters, float64 tensors of shape ``(groups,)`` on the host.
+
+    Group 0 is the optimizer's own (parameters in no `zfunc.ParamGroup`); group ``i + 1`` is
+    ``Config.param_groups[i]``. They are state, not config, so a training loop may change them
+    (`zfunc.set_hyperparams`, or ``optimizer.param_groups[i]["lr"] = ...`` in the engine) and a
+    checkpoint keeps them. On the host, reading them never waits for a GPU.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> h = zfunc.init(torch.nn.Linear(3, 1), zfunc.Config(optimizer=zfunc.adamw(lr=0.1))).hyper
+        >>> h.lr.tolist(), h.weight_decay.tolist(), h.beta2.tolist()
+        ([0.1], [0.01], [0.999])
+    """
+
+    lr: torch.Tensor
+    weight_decay: torch.Tensor
+    beta1: torch.Tensor
+    beta2: torch.Tensor
+    eps: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -68,6 +91,7 @@ class TrainState:
             stages 0-2, this rank's arena for stage 3. Aliases ``params`` when the dtypes agree.
         grads: the gradient accumulator: full for stages 0-1, this rank's arena for 2-3.
         opt: `AdamState` shaped like ``params``.
+        hyper: `GroupHyper`: each parameter group's learning rate, weight decay, betas, eps.
         scaler: `zfunc.scaler.ScalerState`.
         step: optimizer steps taken (skipped ones included), int64, on the device. The loss
             scaler's window counts these too.
@@ -96,6 +120,7 @@ class TrainState:
     compute: torch.Tensor
     grads: torch.Tensor
     opt: AdamState
+    hyper: GroupHyper
     scaler: ScalerState
     step: torch.Tensor
     micro_step: torch.Tensor

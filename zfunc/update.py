@@ -23,15 +23,42 @@ import zfunc_kernels
 from zfunc import comm
 from zfunc.layout import master_view
 from zfunc.scaler import scaler_update
-from zfunc.state import AdamState, Metrics, TrainState
+from zfunc.optim import AdamConfig
+from zfunc.state import AdamState, GroupHyper, Metrics, TrainState
 
-__all__ = ["apply_step", "learning_rate"]
+__all__ = ["apply_step", "learning_rate", "learning_rates", "set_hyperparams"]
+
+
+def learning_rates(state: TrainState) -> torch.Tensor:
+    """Each parameter group's learning rate for the next applied step (float32, on the device).
+
+    Without a schedule, ``state.hyper.lr``. With one, the schedule's value scaled per group by
+    ``hyper.lr[g] / optimizer.lr`` (as torch's schedulers scale each group's initial lr).
+    Schedules advance with applied steps only: a step skipped for overflow does not move them.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> cfg = zfunc.Config(optimizer=zfunc.adamw(lr=0.1), param_groups=[zfunc.ParamGroup("bias", lr=0.2)])
+        >>> [round(x, 6) for x in zfunc.learning_rates(zfunc.init(torch.nn.Linear(1, 1), cfg)).tolist()]
+        [0.1, 0.2]
+    """
+    cfg = state.cfg
+    lrs = state.hyper.lr
+    if cfg.lr_schedule is not None:
+        base = torch.as_tensor(cfg.lr_schedule(state.opt.count), dtype=torch.float64).to(state.device)
+        return (base * _schedule_ratio(state).to(state.device)).to(torch.float32)
+    return lrs.to(state.device, torch.float32)
+
+
+def _schedule_ratio(state: TrainState) -> torch.Tensor:
+    """Each group's share of the schedule: ``hyper.lr / optimizer.lr`` (1 when that lr is 0)."""
+    base = state.cfg.optimizer.lr
+    return state.hyper.lr / base if base > 0 else torch.ones_like(state.hyper.lr)
 
 
 def learning_rate(state: TrainState) -> torch.Tensor:
-    """The learning rate the next applied step uses (a float32 device scalar).
-
-    Schedules advance with applied steps only: a step skipped for overflow does not move them.
+    """The learning rate the next applied step uses (a float32 device scalar): that of the first
+    parameter group holding parameters (group 0 unless every parameter is in a `zfunc.ParamGroup`).
 
     Examples:
         >>> import torch, zfunc
@@ -39,9 +66,43 @@ def learning_rate(state: TrainState) -> torch.Tensor:
         >>> round(zfunc.learning_rate(state).item(), 6)
         0.1
     """
-    cfg = state.cfg
-    lr = cfg.lr_schedule(state.opt.count) if cfg.lr_schedule else cfg.optimizer.lr
-    return torch.as_tensor(lr, dtype=torch.float32).to(state.device)
+    return learning_rates(state)[state.layout.groups[0]]
+
+
+def set_hyperparams(state: TrainState, group: int = 0, **values: float | tuple[float, float]) -> TrainState:
+    """A state whose parameter group ``group`` uses new hyperparameters from the next step on.
+
+    ``values``: any of ``lr``, ``weight_decay``, ``betas``, ``eps`` (checked as in
+    `zfunc.adamw`). The state keeps them, and so does a checkpoint of it. Changing the learning
+    rate every iteration by hand (nanoGPT's loop) is ``state = set_hyperparams(state, lr=...)``
+    for each group.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> state = zfunc.init(torch.nn.Linear(2, 1), zfunc.Config(optimizer=zfunc.adamw(lr=0.1)))
+        >>> later = zfunc.set_hyperparams(state, lr=0.05, betas=(0.9, 0.95))
+        >>> later.hyper.lr.tolist(), later.hyper.beta2.tolist(), state.hyper.lr.tolist()
+        ([0.05], [0.95], [0.1])
+    """
+    h = state.hyper
+    if not (isinstance(group, int) and 0 <= group < h.lr.numel()):
+        raise ValueError(f"set_hyperparams: group must be in [0, {h.lr.numel()}), got {group!r}")
+    unknown = set(values) - {"lr", "weight_decay", "betas", "eps"}
+    if unknown:
+        raise ValueError(f"set_hyperparams: {sorted(unknown)} are not hyperparameters zfunc's Adam reads; "
+                         "use lr, weight_decay, betas or eps")
+    now = {"lr": h.lr[group].item(), "weight_decay": h.weight_decay[group].item(),
+           "betas": (h.beta1[group].item(), h.beta2[group].item()), "eps": h.eps[group].item()}
+    now.update(values)
+    checked = AdamConfig(**now)  # the same checks as the optimizer's own values
+    new = {"lr": checked.lr, "weight_decay": checked.weight_decay, "beta1": checked.betas[0],
+           "beta2": checked.betas[1], "eps": checked.eps}
+    fields = {}
+    for name, value in new.items():
+        t = getattr(h, name).clone()
+        t[group] = value
+        fields[name] = t
+    return state.replace(hyper=GroupHyper(**fields))
 
 
 def _reduce(state: TrainState, donate: bool) -> torch.Tensor:
@@ -86,12 +147,12 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
         -0.8072
     """
     cfg, lay, group = state.cfg, state.layout, state.group
-    lr = learning_rate(state)
+    lrs = learning_rates(state)
     # A schedule's non-finite or negative lr must never reach the weights: on the host (CPU) it is
     # an error at once; on a GPU (no sync) the step is skipped and metrics.lr shows the value.
-    if lr.device.type == "cpu" and not (torch.isfinite(lr) and lr >= 0):
-        raise ValueError(f"lr_schedule: returned {lr.item()} for update {int(state.opt.count)}; a learning rate "
-                         "must be finite and >= 0. Nothing was changed")
+    if lrs.device.type == "cpu" and not bool((torch.isfinite(lrs) & (lrs >= 0)).all()):
+        raise ValueError(f"lr_schedule: returned {lrs.tolist()} for update {int(state.opt.count)}; a learning "
+                         "rate must be finite and >= 0. Nothing was changed")
     grad = _reduce(state, donate)
 
     # Check: found_inf and sum of squares of this rank's part, then agree across ranks.
@@ -108,7 +169,7 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
         clip_coef = torch.clamp(cfg.clip_value / (grad_norm + 1e-6), max=1.0)
     else:
         clip_coef = torch.ones((), dtype=torch.float32, device=state.device)
-    skip = torch.maximum(found_inf, (~(torch.isfinite(lr) & (lr >= 0))).to(torch.float32))
+    skip = torch.maximum(found_inf, (~(torch.isfinite(lrs) & (lrs >= 0)).all()).to(torch.float32))
 
     # Update this rank's master, moments and compute copy in one pass.
     compute = state.compute if donate else state.compute.clone()
@@ -126,12 +187,23 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
         compute_out = compute
     else:  # this rank's slice of the full compute buffer, gathered below
         compute_out = master_view(compute, lay, state.stage)
-    opt = cfg.optimizer
-    hyper = zfunc_kernels.AdamHyper(beta1=opt.betas[0], beta2=opt.betas[1], eps=opt.eps,
-                                    weight_decay=opt.weight_decay, decoupled=opt.decoupled)
-    scalars = zfunc_kernels.StepScalars(step=count, lr=lr, inv_scale=inv_scale, clip_coef=clip_coef,
-                                        found_inf=skip)
-    zfunc_kernels.fused_adam(master, grad, mu, nu, scalars, hyper, compute=compute_out)
+    # One fused pass per run of one parameter group (one run per group at stages 0-2).
+    h = state.hyper
+    table = list(zip(h.weight_decay.tolist(), h.beta1.tolist(), h.beta2.tolist(), h.eps.tolist()))  # host
+    segments = lay.full_segments if state.stage == 0 else lay.arena_segments
+    for k, (g, start, n) in enumerate(segments):
+        wd, beta1, beta2, eps = table[g]
+        hyper = zfunc_kernels.AdamHyper(beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd,
+                                        decoupled=cfg.optimizer.decoupled)
+        step = count if k == 0 else state.opt.count.clone()  # each pass bumps its own copy
+        scalars = zfunc_kernels.StepScalars(step=step, lr=lrs[g], inv_scale=inv_scale, clip_coef=clip_coef,
+                                            found_inf=skip)
+
+        def part(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.narrow(0, start, n)
+
+        zfunc_kernels.fused_adam(part(master), part(grad), part(mu), part(nu), scalars, hyper,
+                                 compute=part(compute_out))
 
     # Gather the updated compute parameters where forward reads them in full.
     if state.stage in (1, 2):
@@ -141,7 +213,7 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
     scaler = scaler_update(state.scaler, found_inf, cfg, state.step)
     metrics = Metrics(loss=agreed[-2] / agreed[-1],  # NaN when no loss is known (or none was run)
                       grad_norm=grad_norm, loss_scale=state.scaler.scale,
-                      skipped=skip, lr=lr)
+                      skipped=skip, lr=lrs[lay.groups[0]])
     return state.replace(params=master, compute=compute, grads=grads, buffers=_rank0_buffers(state),
                          opt=AdamState(mu=mu, nu=nu, count=count), scaler=scaler, step=state.step + 1,
                          micro_step=torch.zeros_like(state.micro_step), loss_sum=torch.zeros_like(state.loss_sum),

@@ -1,0 +1,185 @@
+"""The optimizer side of the DeepSpeed shim.
+
+`plan_groups` turns what ``deepspeed.initialize`` accepts (a torch optimizer with any number of
+parameter groups, or ``model_parameters`` as parameters or group dicts) into zfunc's optimizer,
+`zfunc.ParamGroup`s and the parameters left frozen. `OptimizerView` is the optimizer
+``initialize`` returns: a ``torch.optim.Optimizer`` whose ``param_groups`` are live (setting
+``lr``, ``weight_decay``, ``betas`` or ``eps`` takes effect at the next step and is kept in the
+state), so torch's ``LRScheduler``s can drive it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from zfunc.errors import ConfigError
+from zfunc.optim import AdamConfig, ParamGroup
+
+if TYPE_CHECKING:
+    from zfunc.engine import Engine
+
+__all__ = ["GroupPlan", "plan_groups", "OptimizerView", "HYPER_KEYS"]
+
+HYPER_KEYS = ("lr", "weight_decay", "betas", "eps")
+# torch Adam/AdamW group keys that change nothing at these values (or are bookkeeping).
+_NEUTRAL = {"amsgrad": (False,), "maximize": (False,), "foreach": (None, False, True), "capturable": (False,),
+            "differentiable": (False,), "fused": (None, False, True)}
+_BOOKKEEPING = {"initial_lr", "name", "decoupled_weight_decay"}
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupPlan:
+    """The optimizer, groups and frozen parameters `initialize` trains with."""
+
+    optimizer: AdamConfig
+    groups: tuple[ParamGroup, ...]
+    freeze: tuple[str, ...]
+    dicts: list[dict[str, Any]] | None  # the torch-style group dicts the view shows (None: make them)
+
+
+def _names(model: torch.nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def _check_keys(group: dict[str, Any], i: int, where: str, torch_defaults: bool) -> None:
+    for key, value in group.items():
+        if key == "params" or key in HYPER_KEYS or key in _BOOKKEEPING:
+            continue
+        if torch_defaults and key in _NEUTRAL and value in _NEUTRAL[key]:
+            continue
+        raise ConfigError(
+            f"{where}[{i}].{key}: zfunc cannot honour {key}={value!r} (its Adam/AdamW reads lr, weight_decay, betas "
+            "and eps per group); remove the key or use its default")
+
+
+def plan_groups(model: torch.nn.Module, base: AdamConfig, *, optimizer: Any = None,
+                model_parameters: Iterable[Any] | None = None) -> GroupPlan:
+    """The zfunc form of a DeepSpeed optimizer setup; raises `ConfigError` before anything changes.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.AdamW([{"params": [model.weight], "weight_decay": 0.1},
+        ...                          {"params": [model.bias], "weight_decay": 0.0}], lr=0.01)
+        >>> plan = plan_groups(model, zfunc.adamw(), optimizer=opt)
+        >>> [g.params for g in plan.groups], [g.weight_decay for g in plan.groups], plan.freeze
+        ([('weight',), ('bias',)], [0.1, 0.0], ())
+    """
+    names = _names(model)
+    if optimizer is not None and model_parameters is not None and not isinstance(optimizer, AdamConfig):
+        model_parameters = None  # as DeepSpeed: a client optimizer brings its own parameters
+    if isinstance(optimizer, AdamConfig):
+        base, optimizer = optimizer, None
+    if optimizer is not None:
+        if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            raise ConfigError(f"optimizer: zfunc maps torch.optim.Adam and AdamW (or zfunc.adam/adamw); got "
+                              f"{type(optimizer).__name__}")
+        dicts, where, torch_defaults = optimizer.param_groups, "optimizer.param_groups", True
+        decoupled = {isinstance(optimizer, torch.optim.AdamW) or bool(g.get("decoupled_weight_decay"))
+                     for g in dicts}
+        if len(decoupled) > 1:
+            raise ConfigError("optimizer.param_groups: decoupled_weight_decay differs between groups; zfunc applies "
+                              "one kind of weight decay to all of them")
+        g0 = dicts[0]
+        base = AdamConfig(lr=float(g0["lr"]), betas=tuple(g0["betas"]), eps=g0["eps"],
+                          weight_decay=g0["weight_decay"], decoupled=decoupled.pop())
+    elif model_parameters is not None:
+        given = list(model_parameters)
+        if given and all(isinstance(g, dict) for g in given):
+            dicts = given
+        elif all(isinstance(p, torch.Tensor) for p in given):
+            dicts = [{"params": given}]
+        else:
+            raise ConfigError("model_parameters: expected parameters, or dicts with a 'params' key (parameter "
+                              "groups), not a mix")
+        where, torch_defaults = "model_parameters", False
+    else:
+        return GroupPlan(base, (), (), None)
+    groups, seen = [], {}
+    for i, g in enumerate(dicts):
+        _check_keys(g, i, where, torch_defaults)
+        params = g.get("params")
+        params = [params] if isinstance(params, torch.Tensor) else list(params or [])
+        chosen = []
+        for p in params:
+            if id(p) not in names:
+                raise ConfigError(f"{where}[{i}].params: a parameter of shape {list(p.shape)} is not in the model")
+            if id(p) in seen and seen[id(p)] != i:
+                raise ConfigError(f"{where}: {names[id(p)]!r} is in groups {seen[id(p)]} and {i}; put each "
+                                  "parameter in one group")
+            seen[id(p)] = i
+            if names[id(p)] not in chosen:
+                chosen.append(names[id(p)])
+        betas = g.get("betas")
+        groups.append(ParamGroup(tuple(chosen), lr=g.get("lr"), weight_decay=g.get("weight_decay"),
+                                 betas=None if betas is None else tuple(betas), eps=g.get("eps")))
+    listed = {names[i] for i in seen}
+    freeze = tuple(n for n, p in model.named_parameters() if p.requires_grad and n not in listed)
+    if optimizer is None:  # group dicts from model_parameters: show torch-style dicts with every key
+        dicts = [{**{"lr": base.lr, "weight_decay": base.weight_decay, "betas": base.betas, "eps": base.eps}, **g}
+                 for g in dicts]
+    return GroupPlan(base, tuple(groups), freeze, dicts)
+
+
+class OptimizerView(torch.optim.Optimizer):
+    """The optimizer `zfunc.initialize` returns: live ``param_groups`` over the engine's state.
+
+    ``param_groups[i]`` is zfunc's parameter group ``i + 1`` (or group 0 when the run has no
+    groups). The engine reads the groups' ``lr``, ``weight_decay``, ``betas`` and ``eps`` at each
+    optimizer step into the state (`zfunc.set_hyperparams`), and writes the state's values back
+    after a checkpoint is loaded. Call ``engine.step()``, not ``optimizer.step()``.
+    """
+
+    def __init__(self, engine: Engine, dicts: list[dict[str, Any]] | None):
+        self._engine = engine
+        hyper = engine.state.hyper
+        if dicts is None:  # one group: every trained parameter, the optimizer's own values
+            named = dict(engine.module.named_parameters())
+            dicts = [{"params": [named[n] for n in engine.state.layout.names]}]
+            self.index = [0]
+        else:
+            self.index = list(range(1, hyper.lr.numel()))
+        self._shared = dicts  # the user's torch optimizer's dicts, when one was given (its schedulers write there)
+        super().__init__([{"params": list(d["params"])} for d in dicts], {})
+        self.param_groups = dicts
+        self.write_back()
+
+    def write_back(self) -> None:
+        """Show the state's hyperparameters (and the learning rates a schedule computed) in the dicts."""
+        from zfunc.update import learning_rates
+
+        h, lrs = self._engine.state.hyper, learning_rates(self._engine.state).tolist()
+        for d, g in zip(self.param_groups, self.index):
+            d.update(lr=lrs[g], weight_decay=h.weight_decay[g].item(), eps=h.eps[g].item(),
+                     betas=(h.beta1[g].item(), h.beta2[g].item()))
+        self._written = [d["lr"] for d in self.param_groups]
+
+    def changes(self) -> list[tuple[int, dict[str, Any]]]:
+        """``(zfunc group, values)`` for each group whose dict differs from the state."""
+        h, out = self._engine.state.hyper, []
+        for k, (d, g) in enumerate(zip(self.param_groups, self.index)):
+            now = {"lr": d["lr"], "weight_decay": d["weight_decay"], "betas": tuple(d["betas"]), "eps": d["eps"]}
+            have = {"lr": h.lr[g].item(), "weight_decay": h.weight_decay[g].item(), "eps": h.eps[g].item(),
+                    "betas": (h.beta1[g].item(), h.beta2[g].item())}
+            if self._engine.config.lr_schedule is not None:
+                if d["lr"] != self._written[k]:
+                    raise ConfigError(f"optimizer.param_groups[{k}]['lr']: the config's scheduler sets the learning "
+                                      "rate; remove the 'scheduler' section to set it by hand")
+                now["lr"] = have["lr"]
+            diff = {key: v for key, v in now.items() if v != have[key]}
+            if diff:
+                out.append((g, diff))
+        return out
+
+    def step(self, closure: Any = None) -> None:  # noqa: D102 - see the class docstring
+        raise RuntimeError("optimizer.step(): call engine.step(); it applies the optimizer step at the "
+                           "gradient accumulation boundary")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients accumulated since the last step (``engine.zero_grad()``)."""
+        del set_to_none
+        self._engine.zero_grad()
