@@ -152,7 +152,9 @@ class OptimizerView(torch.optim.Optimizer):
         """Show the state's hyperparameters (and the learning rates a schedule computed) in the dicts."""
         from zfunc.update import learning_rates
 
-        h, lrs = self._engine.state.hyper, learning_rates(self._engine.state).tolist()
+        h = self._engine.state.hyper
+        scheduled = self._engine.config.lr_schedule is not None
+        lrs = learning_rates(self._engine.state).tolist() if scheduled else h.lr.tolist()
         for d, g in zip(self.param_groups, self.index):
             d.update(lr=lrs[g], weight_decay=h.weight_decay[g].item(), eps=h.eps[g].item(),
                      betas=(h.beta1[g].item(), h.beta2[g].item()))
