@@ -255,3 +255,74 @@ def test_model_parameters_leave_the_rest_fixed_without_touching_the_model():
     engine.step()
     assert "1.weight" not in zfunc.full_params(engine.state)
     assert torch.equal(engine.state.frozen["1.weight"], before)
+
+
+# -- engine.module is the trained model ---------------------------------------------------------
+
+def _aux_loop(rank: int, stage: int) -> tuple[float, float]:
+    make, loss_fn, batch_fn = MODELS["zoo"]
+    world = zfunc.comm.world().size
+    torch.manual_seed(0)
+    engine, *_ = zfunc.initialize(model=make(), config={
+        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GA, "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}})
+    for i in range(STEPS):
+        for mb in split(batch_fn(i, rank, MICRO * GA), GA):
+            aux = engine.module(mb["x"] * 0.5, mb["side"]).pow(2).mean()  # a term through engine.module
+            engine.backward(loss_fn(engine, mb) + 0.1 * aux)
+            engine.step()
+    torch.manual_seed(0)
+    ref = make()
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
+    for i in range(STEPS):
+        opt.zero_grad()
+        for r in range(world):
+            for mb in split(batch_fn(i, r, MICRO * GA), GA):
+                aux = ref(mb["x"] * 0.5, mb["side"]).pow(2).mean()
+                ((loss_fn(ref, mb) + 0.1 * aux) / (world * GA)).backward()
+        torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], 1.0)
+        opt.step()
+    x = batch_fn(99, 0, 3)
+    engine.eval()
+    with torch.no_grad():
+        evaluated = (engine.module(x["x"], x["side"]) - ref(x["x"], x["side"])).abs().max().item()
+    return _diff(zfunc.full_params(engine.state), ref), evaluated
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_loss_through_engine_module_trains_like_torch(world):
+    for stage in (0, 1, 2, 3):
+        for d, evaluated in run_ranks(_aux_loop, world, stage):
+            assert d < 1e-6 and evaluated < 1e-5, (stage, d, evaluated)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_engine_module_state_dict_shows_the_trained_weights(precision, tmp_path):
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    for stage in (0, 1, 2, 3):
+        torch.manual_seed(0)
+        ds = {"train_batch_size": 2, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}
+        if precision != "fp32":
+            ds[precision] = {"enabled": True}
+        engine, *_ = zfunc.initialize(model=nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)),
+                                      config=ds)
+        for _ in range(2):
+            engine.backward(engine(torch.randn(2, 3)).float().pow(2).mean())
+            engine.step()
+        full = zfunc.full_params(engine.state)
+        expected = engine.module_state_dict()
+        for name, p in full.items():
+            assert torch.equal(expected[name], p.to(dtype)), (stage, name)
+        assert torch.equal(expected["1.running_mean"], engine.state.buffers["1.running_mean"])
+        if stage < 3:
+            sd = engine.module.state_dict()
+            assert set(sd) == set(expected) and all(torch.equal(sd[k], expected[k]) for k in sd), stage
+            assert dict(engine.module.named_parameters())["0.weight"].dtype == dtype
+        else:
+            with pytest.raises(RuntimeError, match="module_state_dict"):
+                engine.module.state_dict()
+        engine.save_16bit_model(str(tmp_path), f"s{stage}.bin")
+        saved = torch.load(tmp_path / f"s{stage}.bin")
+        assert all(torch.equal(saved[k], expected[k]) for k in expected)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -82,6 +82,8 @@ class ModuleBinding:
         self.donated = False
         self._handles: list[RemovableHandle] = []
         self._latest: weakref.ref[UnitGatherer] | None = None
+        self._members: list[Any] = []  # set by `route`
+        self._frames: list[Any] = []
         # Stage-3 unit parameters by name, so the enclosing functional_call restores them.
         self.unit_params: dict[str, torch.Tensor] = {}
         if stage == 3:
@@ -130,7 +132,7 @@ class ModuleBinding:
         return hook
 
     def _refuse(self, *_: Any) -> None:
-        if _CURRENT.get() is None and not _in_backward():
+        if _CURRENT.get() is None and not _in_backward() and not self._members:  # routed calls are zfunc's
             raise RuntimeError(
                 f"{type(self.module).__name__} was donated to a zfunc state (init(..., donate=True)): its "
                 "parameters live in the state now. Run it through zfunc (backward_step, vjp, train_step "
@@ -149,12 +151,72 @@ class ModuleBinding:
         self.donated = True
         _DONATED[self.module] = self
 
+    def route(self, bound: Callable[[], BoundModel]) -> None:
+        """Calls of the module itself run on the state ``bound()`` binds, as calls of the bound
+        model do (the engine's ``engine.module``): same parameters, gradients into the state,
+        the cotangent factor on inputs and outputs. Two hooks on the root module do it."""
+        modules = dict(self.module.named_modules(remove_duplicate=False))
+        canon = {id(t): n for n, t in [*self.module.named_parameters(), *self.module.named_buffers()]}
+        self._members = []
+        for kind, named in (("_parameters", self.module.named_parameters(remove_duplicate=False)),
+                            ("_buffers", self.module.named_buffers(remove_duplicate=False))):
+            for name, t in named:
+                parent, _, attr = name.rpartition(".")
+                self._members.append((modules[parent], kind, attr, canon[id(t)]))
+        self._handles.append(self.module.register_forward_pre_hook(
+            lambda mod, args, kwargs: self._route_in(bound, args, kwargs), with_kwargs=True, prepend=True))
+        self._handles.append(self.module.register_forward_hook(
+            lambda mod, args, kwargs, out: self._route_out(out), with_kwargs=True, always_call=True))
+
+    def _route_in(self, bound: Callable[[], BoundModel], args: tuple, kwargs: dict) -> Any:
+        self._frames.append(None)
+        if _CURRENT.get() is not None:  # zfunc's own call (functional_call) of the module
+            return None
+        model = bound()
+        tensors, args, kwargs, contexts = model.prepare(args, kwargs)
+        # As functional_call does for the whole call (no public API can do it from hooks): the
+        # module's entries become the state's tensors until `_route_out` puts them back.
+        restore = []
+        for owner, kind, attr, name in self._members:
+            if name in tensors:
+                entries = getattr(owner, kind)
+                restore.append((entries, attr, entries[attr], name))
+                entries[attr] = tensors[name]
+        stack = contextlib.ExitStack()
+        token = _CURRENT.set(model)
+        try:
+            for c in contexts:
+                stack.enter_context(c)
+        except BaseException:
+            _CURRENT.reset(token)
+            self._put_back(restore, tensors)
+            raise
+        self._frames[-1] = (model, tensors, restore, token, stack)
+        return args, kwargs
+
+    def _route_out(self, out: Any) -> Any:
+        frame = self._frames.pop() if self._frames else None
+        if frame is None:
+            return None
+        model, tensors, restore, token, stack = frame
+        stack.close()
+        _CURRENT.reset(token)
+        self._put_back(restore, tensors)
+        return model.finish(out, tensors)
+
+    @staticmethod
+    def _put_back(restore: list, tensors: dict[str, torch.Tensor]) -> None:
+        for entries, attr, original, name in reversed(restore):
+            tensors[name] = entries[attr]  # a buffer the module reassigned is its new value
+            entries[attr] = original
+
     def remove(self) -> None:
         """Take every hook zfunc added to the module away (a donated module stays empty)."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
         self.unit_params = {}
+        self._members = []
 
     def bind(self, state: TrainState, sinks: Sequence[torch.Tensor],
              buffers: dict[str, torch.Tensor]) -> BoundModel:
@@ -175,39 +237,52 @@ class BoundModel:
         self.gatherer: UnitGatherer | None = None  # stage 3, during a call
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        tensors, args, kwargs, contexts = self.prepare(args, kwargs)
+        token = _CURRENT.set(self)
+        try:
+            with contextlib.ExitStack() as stack:
+                for c in contexts:
+                    stack.enter_context(c)
+                out = functional_call(self.state.binding.module, tensors, args, kwargs, tie_weights=True, strict=False)
+        finally:
+            _CURRENT.reset(token)
+        return self.finish(out, tensors)
+
+    def prepare(self, args: tuple, kwargs: dict) -> tuple[dict[str, torch.Tensor], tuple, dict, list[Any]]:
+        """What a call runs on (parameter views, frozen parameters, buffers), its inputs (cast,
+        with ``1 / factor`` on their cotangents) and the contexts to run it in."""
         state = self.state
         lay, cfg, binding = state.layout, state.cfg, state.binding
-        factor = cotangent_factor(state)
         tensors = {**binding.unit_params, **state.frozen, **self.buffers}
         if state.stage == 3:  # the root unit now; the others when their modules run
             self.gatherer = gatherer = UnitGatherer(state, self.sinks)
             tensors.update(gatherer.root_views())
-            saved: Any = gatherer.saved_tensor_hooks()
+            contexts: list[Any] = [gatherer.saved_tensor_hooks()]
             binding._latest = weakref.ref(gatherer)
         else:
             (unit,) = lay.units
             full = comm.unit_params(self.sinks[0], None, state.compute, state.group, cfg.reduce_dtype,
                                     state.stage == 2)
             tensors.update(lay.views(unit, full))
-            saved = contextlib.nullcontext()
+            contexts = []
         if cfg.autocast is None and cfg.compute_dtype != torch.float32:
             # Like FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True): a low-precision model
             # takes its floating-point inputs in its own dtype.
             args, kwargs = _cast_floats((args, kwargs), cfg.compute_dtype)
-        (args, kwargs), _ = scale_tree((args, kwargs), 1 / factor)
-        autocast = (torch.autocast(state.device.type, dtype=cfg.autocast) if cfg.autocast
-                    else contextlib.nullcontext())
-        token = _CURRENT.set(self)
-        try:
-            with autocast, saved:
-                out = functional_call(binding.module, tensors, args, kwargs, tie_weights=True, strict=False)
-        finally:
-            _CURRENT.reset(token)
+        (args, kwargs), _ = scale_tree((args, kwargs), 1 / cotangent_factor(state))
+        if cfg.autocast:
+            contexts.append(torch.autocast(state.device.type, dtype=cfg.autocast))
+        return tensors, args, kwargs, contexts
+
+    def finish(self, out: Any, tensors: dict[str, torch.Tensor]) -> Any:
+        """After the forward: check the stage-3 units, keep the buffers' new values, and put the
+        cotangent factor on the outputs."""
+        state = self.state
         if self.gatherer is not None and state.group.size > 1 and state.device.type == "cpu":
             check_same_units(self.gatherer.order, state.group)  # a host read: free on the CPU only
         for name in self.buffers:  # a buffer the module reassigned (not updated in place)
             self.buffers[name] = tensors[name]
-        scaled, count = scale_tree(out, factor)
+        scaled, count = scale_tree(out, cotangent_factor(state))
         if count == 0 and torch.is_grad_enabled():
             raise TypeError(
                 f"zfunc found no differentiable tensor in the model's output (a {type(out).__name__}) to "

@@ -130,7 +130,7 @@ def group_hyper(cfg: Config) -> GroupHyper:
     rows += [(pick(g.lr, opt.lr), pick(g.weight_decay, opt.weight_decay), *(g.betas or opt.betas), pick(g.eps, opt.eps))
              for g in cfg.param_groups]
     table = torch.tensor(rows, dtype=torch.float64)
-    return GroupHyper(*(table[:, i].clone() for i in range(5)))
+    return GroupHyper(*(torch.tensor(table[:, i].tolist(), dtype=torch.float64) for i in range(5)))
 
 
 def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *,

@@ -24,7 +24,7 @@ from zfunc import comm
 from zfunc.backward import bind, record_micro, sinks_into
 from zfunc.checkpoint import load, read_extra, save
 from zfunc.config import Config
-from zfunc.create import init
+from zfunc.create import full_params, init
 from zfunc.deepspeed_config import BatchSizes, translate
 from zfunc.errors import ConfigError
 from zfunc.optim import AdamConfig
@@ -64,6 +64,10 @@ class Engine:
         self._applied = False
         self._pending_loss: torch.Tensor | None = None
         self.state = init(model, cfg, group, donate=cfg.stage == 3)
+        # engine.module(x) is engine(x): calls of the module run on the state, gradients included.
+        self._state.binding.route(lambda: bind(self._state, self._sinks, donate=True))
+        if cfg.stage == 3:
+            model.register_state_dict_pre_hook(_no_stage3_state_dict)
         self.optimizer = OptimizerView(self, optimizer_groups)
         if cfg.lr_schedule is not None:
             if lr_scheduler is not None:
@@ -95,17 +99,19 @@ class Engine:
         self._backward_seen = True
 
     def _share_module_params(self) -> None:
-        """Stages 0-2, parameters in the compute dtype (fp32 training): point the module's
-        parameters at the compute buffer (no copy), so ``engine.module`` shows the current
-        weights. Otherwise (fp16/bf16 compute, stage 3) the module's own parameters are stale or
-        empty: read weights with `zfunc.full_params` or `zfunc.export`."""
+        """Stages 0-2: the module's parameters become views of the compute buffer (no copy; in
+        the compute dtype, as DeepSpeed's ``module.half()``/``bfloat16()``), its frozen
+        parameters and buffers the state's, so ``engine.module.state_dict()`` and
+        ``named_parameters()`` show the current weights. At stage 3 the module holds no
+        parameters: its ``state_dict()`` raises and names `module_state_dict`."""
         st = self._state
-        if st.stage == 3:
-            return
-        views = st.layout.views(st.layout.units[0], st.compute)
-        for name, p in self.module.named_parameters():
-            if name in views and p.dtype == views[name].dtype:
-                p.data = views[name]
+        current = dict(st.buffers)
+        if st.stage < 3:
+            current.update(st.frozen)
+            current.update(st.layout.views(st.layout.units[0], st.compute))
+        for name, t in [*self.module.named_parameters(), *self.module.named_buffers()]:
+            if name in current:
+                t.data = current[name]
 
     # -- forward and backward ----------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -169,6 +175,8 @@ class Engine:
             st = apply_step(st, donate=True)
             self.global_samples += self._batch.train_batch_size if self._batch else 0
         self._state = st  # same buffers: sinks and module views stay valid
+        if boundary:
+            self._share_module_params()  # the buffers may be new tensors (rank 0's)
         self._applied = boundary
         self.micro_steps += 1
         if boundary and self.config.lr_schedule is not None:
@@ -283,12 +291,41 @@ class Engine:
         self.micro_steps, self.global_samples = extra["micro_steps"], extra["global_samples"]
         return path, extra["client_state"]
 
+    def module_state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained model's full state dict (parameters in the compute dtype, buffers), under
+        the module's own keys, at every stage; gathers at stages 1-3 (call it on every rank)."""
+        st = self._state
+        full = {n: t.to(st.cfg.compute_dtype) for n, t in full_params(st).items()}
+        by_id = {id(p): n for n, p in self.module.named_parameters()}
+        values = {**full, **st.frozen, **st.buffers}
+        out = {}
+        for name, t in [*self.module.named_parameters(remove_duplicate=False), *self.module.named_buffers()]:
+            out[name] = values[by_id.get(id(t), name)].detach().clone()
+        return out
+
+    def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin") -> bool:
+        """DeepSpeed's ``save_16bit_model``: `module_state_dict` written by rank 0 with ``torch.save``
+        (call on every rank; the weights are in the compute dtype: 16-bit under fp16/bf16)."""
+        sd = self.module_state_dict()
+        if self._state.group.rank == 0:
+            os.makedirs(os.fspath(save_dir), exist_ok=True)
+            torch.save(sd, os.path.join(os.fspath(save_dir), save_filename))
+        comm.all_gather_object(None, self._state.group)  # barrier: the file is there
+        return True
+
     def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)
         return self
 
     def eval(self) -> Engine:
         return self.train(False)
+
+
+def _no_stage3_state_dict(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
+    if prefix == "":
+        raise RuntimeError("engine.module.state_dict(): at ZeRO stage 3 the module holds no parameters (each rank "
+                           "holds shards); use engine.module_state_dict() or engine.save_16bit_model(dir) (on every "
+                           "rank), or zfunc.full_params(engine.state)")
 
 
 def _check_tag(tag: Any) -> str:
