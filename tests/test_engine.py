@@ -232,13 +232,33 @@ def test_deepspeed_precision_and_optimizer_mapping():
                                        ).loss_scale == 3.0
 
 
-def test_unknown_keys_give_one_warning():
+def test_harmless_keys_give_one_warning_and_the_rest_are_refused():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         zfunc.Config.from_deepspeed({"train_batch_size": 4, "activation_checkpointing": {}, "flops_profiler": {},
-                                     "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}})
+                                     "gradient_predivide_factor": 1.0, "gradient_allreduce_op": "mean",
+                                     "zero_optimization": {"stage": 1, "overlap_comm": True,
+                                                           "offload_optimizer": {"device": "none"}}})
     assert len(caught) == 1
-    assert "activation_checkpointing, flops_profiler, zero_optimization.offload_optimizer" in str(caught[0].message)
+    assert "activation_checkpointing, flops_profiler, zero_optimization.overlap_comm" in str(caught[0].message)
+    refused = [
+        ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "zero_optimization.offload_optimizer.device"),
+        ({"zero_optimization": {"offload_param": {"device": "nvme"}}}, "zero_optimization.offload_param.device"),
+        ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
+        ({"prescale_gradients": True}, "prescale_gradients"),
+        ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op"),
+        ({"bf16": {"enabled": True, "check_grad_overflow": False}}, "bf16.check_grad_overflow"),
+        ({"bf16": {"enabled": True, "check_grad_overflow": "yes"}}, "bf16.check_grad_overflow"),
+        ({"fp16": {"enabled": True, "consecutive_hysteresis": 1}}, "fp16.consecutive_hysteresis"),
+        ({"train_batch_szie": 4}, "train_batch_szie"),
+        ({"zero_optimization": {"stagee": 2}}, "zero_optimization.stagee"),
+        ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "wieght_decay": 0.1}}}, "optimizer.params"),
+        ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_step": 3}}}, "scheduler.params.warmup_num_step"),
+        ({"amp": {"enabled": True}}, "amp"),
+    ]
+    for extra, path in refused:
+        with pytest.raises(zfunc.ConfigError, match="^" + path.replace(".", r"\.")):
+            zfunc.Config.from_deepspeed({"train_batch_size": 4, **extra})
 
 
 def test_deepspeed_schedule_lags_one_update():

@@ -12,6 +12,7 @@ values raise `ConfigError` naming the key path.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -31,16 +32,21 @@ __all__ = ["translate", "BatchSizes", "batch_sizes"]
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "torch.float32": torch.float32,
            "fp16": torch.float16, "float16": torch.float16, "half": torch.float16, "torch.float16": torch.float16,
            "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "torch.bfloat16": torch.bfloat16}
-# Keys that change nothing in zfunc's results (logging, bucket sizes of DeepSpeed's own comm).
-_HARMLESS = {"steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer", "dump_state",
-             "gradient_predivide_factor", "prescale_gradients", "gradient_allreduce_op", "seed"}
+# Keys that change nothing in zfunc's results: logging and monitoring, DeepSpeed's own tuning.
+_HARMLESS = {"steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer", "dump_state", "seed",
+             "memory_breakdown", "tensorboard", "wandb", "csv_monitor", "comet", "flops_profiler", "comms_logger",
+             "timers", "checkpoint", "zero_force_ds_cpu_optimizer", "activation_checkpointing"}
+# Keys that change the numbers: accepted at the value that matches zfunc, refused otherwise.
+_NUMERIC = {"gradient_predivide_factor": (1, 1.0), "prescale_gradients": (False,),
+            "gradient_allreduce_op": ("mean", "avg"), "sparse_gradients": (False,)}
 _ZERO_HANDLED = {"stage", "stage3_param_persistence_threshold"}
 # What zfunc reads (or knowingly treats as always on) in each precision section.
 _SECTION_KEYS = {
     "fp16": {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
              "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_gradients",
              "fp16_master_weights_and_grads"},
-    "bf16": {"enabled", "bf16_master_weights_and_grads", "bf16_optimizer_states", "check_grad_overflow"},
+    "bf16": {"enabled", "bf16_master_weights_and_grads", "bf16_optimizer_states", "check_grad_overflow",
+             "immediate_grad_update"},
     "torch_autocast": {"enabled", "dtype"},
     "data_types": {"grad_accum_dtype"},
 }
@@ -124,6 +130,49 @@ def _number(sec: Mapping[str, Any], path: str, key: str, default: float) -> floa
     return float(v)
 
 
+def _refuse_unknown(ds: Mapping[str, Any]) -> None:
+    """Every key zfunc does not honour, or honours only at some values, is an error naming it."""
+    known = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+             "gradient_clipping", "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "torch_autocast",
+             "zero_optimization", "data_types", "communication_data_type", *_HARMLESS, *_NUMERIC}
+    for key in ds:
+        if key not in known:
+            raise ConfigError(f"{key}: zfunc does not implement this DeepSpeed key (or it is misspelt), and it may "
+                              "change the results; remove it")
+    for key, allowed in _NUMERIC.items():
+        if key in ds and (ds[key] not in allowed or isinstance(ds[key], bool) != isinstance(allowed[0], bool)):
+            raise _err(key, f"{allowed[0]!r} (zfunc averages gradients over ranks in one step, in comm dtype; "
+                       "other values change the numbers and are not implemented)", ds[key])
+    zero = _section(ds, "zero_optimization")
+    for key in ("offload_optimizer", "offload_param"):
+        sec = zero.get(key)
+        if sec is None:
+            continue
+        device = sec.get("device", "none") if isinstance(sec, Mapping) else sec
+        if device not in ("none", None):
+            raise _err(f"zero_optimization.{key}.device", '"none": zfunc does not offload yet; remove the key '
+                       "(or set device none) and use a larger world or stage 3 to fit the model", device)
+    for key in zero:
+        if key not in _ZERO_HANDLED | _ZERO_HARMLESS | {"offload_optimizer", "offload_param"}:
+            raise ConfigError(f"zero_optimization.{key}: zfunc does not implement this key (or it is misspelt); "
+                              "remove it")
+    for name, keys in _SECTION_KEYS.items():
+        sec = _section(ds, name) or (_section(ds, "bfloat16") if name == "bf16" else {})
+        for key in sec:
+            if key not in keys:
+                raise ConfigError(f"{name}.{key}: zfunc does not implement this key (or it is misspelt); remove it")
+        for key in ("enabled", "consecutive_hysteresis", "fp16_master_weights_and_grads",
+                    "fp16_master_weights_and_gradients", "bf16_master_weights_and_grads", "bf16_optimizer_states",
+                    "check_grad_overflow", "immediate_grad_update"):
+            if key in sec and not isinstance(sec[key], bool):
+                raise _err(f"{name}.{key}", "true or false", sec[key])
+    bf16 = _section(ds, "bf16") or _section(ds, "bfloat16")
+    if bf16.get("check_grad_overflow") is False:
+        raise _err("bf16.check_grad_overflow", "true (zfunc always skips a step whose gradients are not finite)", False)
+    if bf16.get("immediate_grad_update") is True:
+        raise _err("bf16.immediate_grad_update", "false (zfunc accumulates gradients until the step)", True)
+
+
 def _optimizer(ds: Mapping[str, Any]) -> AdamConfig:
     sec = _section(ds, "optimizer")
     kind = str(sec.get("type", "AdamW"))
@@ -169,6 +218,11 @@ def _scheduler(ds: Mapping[str, Any], lr: float) -> Any:
     else:
         params["lr"] = lr
     params.pop("last_batch_iteration", None)
+    accepted = set(inspect.signature(factories[kind]).parameters)
+    for key in params:
+        if key not in accepted:
+            raise ConfigError(f"scheduler.params.{key}: not a parameter of {kind} (it takes "
+                              f"{', '.join(sorted(accepted - {'lr'}))})")
     try:
         inner = factories[kind](**params)
     except TypeError as e:
@@ -215,19 +269,13 @@ def translate(ds: Mapping[str, Any] | str | os.PathLike,
             ds = json.load(f)
     if not isinstance(ds, Mapping):
         raise ConfigError(f"config: expected a dict or a JSON file path, got {type(ds).__name__}")
-    known = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-             "gradient_clipping", "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "torch_autocast",
-             "zero_optimization", "data_types", "communication_data_type", *_HARMLESS}
-    ignored = [k for k in ds if k not in known]
+    _refuse_unknown(ds)
     zero = _section(ds, "zero_optimization")
-    ignored += [f"zero_optimization.{k}" for k in zero if k not in _ZERO_HANDLED | _ZERO_HARMLESS]
-    for name, keys in _SECTION_KEYS.items():
-        sec = _section(ds, name) or (_section(ds, "bfloat16") if name == "bf16" else {})
-        ignored += [f"{name}.{k}" for k in sec if k not in keys]
-        if not isinstance(sec.get("enabled", False), bool):
-            raise _err(f"{name}.enabled", "true or false", sec["enabled"])
-    if ignored:
-        warnings.warn(f"zfunc ignores these DeepSpeed config keys: {', '.join(sorted(ignored))}", stacklevel=3)
+    harmless = [k for k in ds if k in _HARMLESS]
+    harmless += [f"zero_optimization.{k}" for k in zero if k in _ZERO_HARMLESS]
+    if harmless:
+        warnings.warn(f"zfunc accepts and does not use these DeepSpeed config keys (they change no numbers): "
+                      f"{', '.join(sorted(harmless))}", stacklevel=3)
 
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise _err("world_size", "a positive integer", world_size)

@@ -161,6 +161,9 @@ class Engine:
 
     def step(self, lr_kwargs: Mapping[str, Any] | None = None) -> None:
         """End a micro-step; at the accumulation boundary apply the optimizer step."""
+        if lr_kwargs and self.config.lr_schedule is not None:
+            raise ConfigError(f"engine.step(lr_kwargs={lr_kwargs!r}): the config's scheduler follows the "
+                              "applied-step count in the state and takes no arguments")
         if not self._backward_seen:
             raise RuntimeError(
                 "engine.step(): no backward reached the model since the last step(); call engine.backward(loss) "
