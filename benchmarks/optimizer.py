@@ -9,8 +9,10 @@ with ``time.perf_counter``; zfunc and torch runs alternate so both see the same 
 (b) the torch composition doing the same: ``torch._amp_foreach_non_finite_check_and_unscale_``
     (``GradScaler.unscale_``), ``clip_grad_norm_``, ``AdamW(fused=True)``, a copy to bf16;
 (c) zfunc Adam alone against torch's fused AdamW alone;
-(d) DeepSpeedCPUAdam, when ``deepspeed`` imports;
-(e) the floor: an njit parallel kernel that only moves the 28 bytes per parameter an fp32 Adam
+(d) zfunc Adam over two parameter groups (weight decay on one half of the arena only): one
+    fused pass per group's run, as ``apply_step`` does with ``zfunc.ParamGroup``s, against (c);
+(e) DeepSpeedCPUAdam, when ``deepspeed`` imports;
+(f) the floor: an njit parallel kernel that only moves the 28 bytes per parameter an fp32 Adam
     step must move (read p, g, m, v; write p, m, v).
 
 Effective GB/s divide the bytes the task must move by the time: 28 B/param for an Adam step,
@@ -88,6 +90,7 @@ class Setup:
         self.stats = torch.empty(2, device=device)
         t = lambda v: torch.tensor(v, dtype=torch.float32, device=device)  # noqa: E731
         self.step = torch.tensor(0, device=device)
+        self.step2 = torch.tensor(0, device=device)  # the second group's pass bumps its own copy
         self.lr, self.inv, self.one, self.zero = t(1e-3), t(INV_SCALE), t(1.0), t(0.0)
         # torch
         self.tp = torch.nn.Parameter(init.to(device))
@@ -128,10 +131,19 @@ class Setup:
             zfunc_kernels.StepScalars(self.step, self.lr, self.one, self.one, self.zero), HYPER,
         )
 
+    # (d) the same Adam over two parameter groups (weight decay on the first half only): what
+    # apply_step does with zfunc.ParamGroup, one fused pass per group's run of the arena
+    def zfunc_adam_groups(self) -> None:
+        half = self.n // 2
+        scalars = zfunc_kernels.StepScalars(self.step, self.lr, self.one, self.one, self.zero)
+        for start, n, hyper in ((0, half, HYPER), (half, self.n - half, HYPER._replace(weight_decay=0.0))):
+            part = [t.narrow(0, start, n) for t in (self.p, self.g, self.mu, self.nu)]
+            zfunc_kernels.fused_adam(*part, scalars if start == 0 else scalars._replace(step=self.step2), hyper)
+
     def torch_adam(self) -> None:
         self.opt.step()
 
-    # (e) floor
+    # (f) floor
     def floor(self) -> None:
         adam_traffic(self.p.numpy(), self.g.numpy(), self.mu.numpy(), self.nu.numpy())
 
@@ -195,7 +207,7 @@ def gbps(nbytes_per_param: int, n: int, ms: float) -> float:
 HEADER = (
     "| params | threads | zfunc phase ms (GB/s) | torch phase ms (GB/s) | phase zfunc/torch "
     "| zfunc Adam ms (GB/s) | torch AdamW ms (GB/s) | Adam zfunc/torch | floor ms (GB/s) "
-    "| Adam zfunc/floor | DeepSpeedCPUAdam ms |"
+    "| Adam zfunc/floor | zfunc Adam 2 groups ms | 2 groups/1 group | DeepSpeedCPUAdam ms |"
 )
 
 
@@ -213,6 +225,8 @@ def row(n: int, threads: int, ms: dict[str, float]) -> str:
         f"{ms['zadam'] / ms['tadam']:.2f}",
         "-" if floor is None else f"{floor:.1f} ({gbps(ADAM_BYTES, n, floor):.1f})",
         "-" if floor is None else f"{ms['zadam'] / floor:.2f}",
+        f"{ms['zgroups']:.1f}",
+        f"{ms['zgroups'] / ms['zadam']:.2f}",
         f"{ms['ds']:.1f}" if "ds" in ms else "not installed",
     ]
     return "| " + " | ".join(cells) + " |"
@@ -248,6 +262,7 @@ def main() -> None:
                 "zphase": (setup.zfunc_phase, setup.reset_zfunc_grads),
                 "tphase": (setup.torch_phase, setup.reset_torch_grads),
                 "zadam": (setup.zfunc_adam, None),
+                "zgroups": (setup.zfunc_adam_groups, None),
                 "tadam": (setup.torch_adam, None),
             }
             if args.device == "cpu":

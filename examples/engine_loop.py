@@ -55,7 +55,6 @@ def train(rank: int, args: argparse.Namespace) -> dict[str, object]:
             "warmup_min_lr": 3e-4, "warmup_max_lr": 3e-3, "warmup_num_steps": 5,
             "total_num_steps": args.steps, "warmup_type": "linear"}},
         "zero_optimization": {"stage": args.stage},
-        "steps_per_print": 10,
     }
     engine, optimizer, _, lr_scheduler = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=ds_config)
