@@ -30,11 +30,20 @@ from zfunc.memory import memory_plan as memory_plan
 from zfunc.memory import memory_report as memory_report
 from zfunc.optim import AdamConfig as AdamConfig
 from zfunc.optim import adam as adam
+from zfunc.optim import AdagradConfig as AdagradConfig
+from zfunc.optim import LionConfig as LionConfig
 from zfunc.optim import ParamGroup as ParamGroup
+from zfunc.optim import SGDConfig as SGDConfig
+from zfunc.optim import adagrad as adagrad
 from zfunc.optim import adamw as adamw
+from zfunc.optim import lion as lion
+from zfunc.optim import sgd as sgd
 from zfunc.scaler import DynamicLossScale as DynamicLossScale
 from zfunc.scaler import ScalerState as ScalerState
+from zfunc.state import AdagradState as AdagradState
 from zfunc.state import AdamState as AdamState
+from zfunc.state import LionState as LionState
+from zfunc.state import SGDState as SGDState
 from zfunc.state import GroupHyper as GroupHyper
 from zfunc.state import Metrics as Metrics
 from zfunc.state import TrainState as TrainState
@@ -47,6 +56,8 @@ from zfunc.update import set_hyperparams as set_hyperparams
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdagradConfig",
+    "AdagradState",
     "AdamConfig",
     "AdamState",
     "CheckpointError",
@@ -55,12 +66,17 @@ __all__ = [
     "DynamicLossScale",
     "Engine",
     "GroupHyper",
+    "LionConfig",
+    "LionState",
     "Metrics",
     "ParamGroup",
+    "SGDConfig",
+    "SGDState",
     "ScalerState",
     "TrainState",
     "World",
     "accumulate",
+    "adagrad",
     "adam",
     "add_config_arguments",
     "adamw",
@@ -75,12 +91,14 @@ __all__ = [
     "launch",
     "learning_rate",
     "learning_rates",
+    "lion",
     "load",
     "memory_plan",
     "memory_report",
     "save",
     "schedules",
     "set_hyperparams",
+    "sgd",
     "train_step",
     "tree",
     "vjp",

@@ -31,12 +31,11 @@ from zfunc._tree import tree
 from zfunc.create import full_params
 from zfunc.errors import CheckpointError
 from zfunc.layout import Layout, Unit, master_view
-from zfunc.state import AdamState, TrainState
+from zfunc.state import TrainState
 
 __all__ = ["save", "load", "export", "exists", "CheckpointError", "read_meta", "read_extra"]
 
 _FORMAT = 2
-_ROLES = ("master", "mu", "nu")
 
 
 def _dcp_kwargs(group: comm.Group) -> dict[str, Any]:
@@ -132,7 +131,8 @@ def save(state: TrainState, path: str | os.PathLike, *, extra: dict[str, Any] | 
         if group.rank == 0:
             meta = {"format": _FORMAT, "world": group.size, "stage": state.stage,
                     "params": {s.name: list(s.shape) for u in state.layout.units for s in u.slots},
-                    "master_dtype": str(state.params.dtype), "moment_dtype": str(state.opt.mu.dtype),
+                    "master_dtype": str(state.params.dtype), "moment_dtype": str(_slots(state)[0].dtype),
+                    "optimizer": state.cfg.optimizer.name,
                     "frozen": sorted(_replicated(state)),
                     "replicated": {n: list(t.shape) for n, t in _replicated(state).items()},
                     "groups": state.hyper.lr.numel(),
@@ -158,7 +158,7 @@ def _pieces(state: TrainState) -> dict[str, torch.Tensor]:
     group, sd = state.group, {}
     for unit in state.layout.units:
         lo, hi = state.layout.owned(unit)
-        for role, t in zip(_ROLES, (state.params, state.opt.mu, state.opt.nu)):
+        for role, t in zip(_roles(state), (state.params, *_slots(state))):
             owned = _owned(state.stage, state.layout, t, unit)
             for name, start, at, n in _overlaps(unit, lo, hi):
                 sd[f"p/{name}/{role}/{start}"] = owned.narrow(0, at, n).detach().cpu()
@@ -245,7 +245,9 @@ def _check_fits(meta: dict[str, Any], like: TrainState, path: str) -> None:
     shapes = [f"{n} {theirs[n]} vs {ours[n]}" for n in ours if n in theirs and theirs[n] != ours[n]]
     if shapes:
         problems.append(f"shapes differ (checkpoint vs model): {shapes[:5]}")
-    for key, have in (("master_dtype", like.params.dtype), ("moment_dtype", like.opt.mu.dtype)):
+    if meta["optimizer"] != like.cfg.optimizer.name:
+        problems.append(f"optimizer is {meta['optimizer']} in the checkpoint but {like.cfg.optimizer.name} in the state")
+    for key, have in (("master_dtype", like.params.dtype), ("moment_dtype", _slots(like)[0].dtype)):
         if meta[key] != str(have):
             problems.append(f"{key} is {meta[key]} in the checkpoint but {have} in the state")
     if meta["groups"] != like.hyper.lr.numel():
@@ -301,7 +303,7 @@ def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True)
     for unit in lay.units:
         lo, hi = lay.owned(unit)
         for name, start, at, n in _overlaps(unit, lo, hi):
-            for role in _ROLES:
+            for role in _roles(like):
                 for s in sorted(pieces[f"{name}/{role}"]):
                     size = stored[f"p/{name}/{role}/{s}"].size[0]
                     if s < start + n and start < s + size:
@@ -328,9 +330,9 @@ def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True)
 
     dev = like.device
     roles = {role: torch.zeros(t.numel(), dtype=t.dtype, device=dev)
-             for role, t in zip(_ROLES, (like.params, like.opt.mu, like.opt.nu))}
+             for role, t in zip(_roles(like), (like.params, *_slots(like)))}
     for unit, at, name, start, n in plan:
-        for role in _ROLES:
+        for role in _roles(like):
             dst = _owned(like.stage, lay, roles[role], unit).narrow(0, at, n)
             for s in pieces[f"{name}/{role}"]:
                 key = f"p/{name}/{role}/{s}"
@@ -340,7 +342,7 @@ def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True)
                 if a < b:
                     dst.narrow(0, a - start, b - a).copy_(want[key].narrow(0, a - s, b - a))
     if like.stage == 0 and group.size > 1:  # every rank holds all of it: share the owned slices
-        for role in _ROLES:
+        for role in _roles(like):
             for unit in lay.units:
                 lo, hi = lay.owned(unit)
                 full = comm.all_gather(roles[role].narrow(0, lo, hi - lo), group)
@@ -371,7 +373,7 @@ def _assemble(like: TrainState, roles: dict[str, torch.Tensor], s: dict[str, tor
     if rng is not None:
         torch.set_rng_state(rng)
     return like.replace(params=master, compute=compute, grads=torch.zeros_like(like.grads),
-                        opt=AdamState(mu=roles["mu"], nu=roles["nu"], count=s["count"]),
+                        opt=cfg.optimizer.state_class(**{n: roles[n] for n in cfg.optimizer.slots}, count=s["count"]),
                         hyper=hyper, scaler=scaler, metrics=metrics, step=s["step"], micro_step=s["micro_step"],
                         loss_sum=s["loss_sum"], frozen={n: frozen[n] for n in like.frozen},
                         buffers={n: frozen[n] for n in like.buffers})
@@ -382,6 +384,15 @@ def _reraise(e: BaseException, what: str) -> None:
         raise e
     raise CheckpointError(f"{what} ({type(e).__name__}: {str(e).strip()[:500]}); the checkpoint is damaged or "
                           "incomplete. Nothing was loaded") from e
+
+
+def _roles(state: TrainState) -> tuple[str, ...]:
+    """What is stored per parameter piece: the master weights and the optimizer's slots."""
+    return ("master", *state.cfg.optimizer.slots)
+
+
+def _slots(state: TrainState) -> list[torch.Tensor]:
+    return [getattr(state.opt, n) for n in state.cfg.optimizer.slots]
 
 
 def _replicated(state: TrainState) -> dict[str, torch.Tensor]:

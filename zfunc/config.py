@@ -14,7 +14,7 @@ import torch
 
 from zfunc.deepspeed_config import translate
 from zfunc.errors import ConfigError, check, is_finite_number, is_number, is_positive_int
-from zfunc.optim import AdamConfig, ParamGroup, adam, adamw
+from zfunc.optim import OPTIMIZERS, AdamConfig, ParamGroup, adam, adamw
 from zfunc.scaler import FLOAT32_MAX, DynamicLossScale
 
 __all__ = ["Config", "ConfigError", "AdamConfig", "ParamGroup", "adam", "adamw", "DynamicLossScale"]
@@ -33,7 +33,8 @@ class Config:
         stage: ZeRO stage 0..3 (0: replicate everything; 1: shard optimizer state;
             2: also gradients; 3: also parameters).
         precision: compute dtype of the model: ``"fp32"``, ``"fp16"`` or ``"bf16"``.
-        optimizer: `zfunc.adam(...)` or `zfunc.adamw(...)` (default AdamW, lr 1e-3).
+        optimizer: `zfunc.adamw(...)` (the default, lr 1e-3), `zfunc.adam`, `zfunc.sgd`,
+            `zfunc.lion` or `zfunc.adagrad`.
         grad_accum: micro-batches per optimizer step.
         clip: global-norm clipping threshold; ``None`` or ``0`` disables.
         loss_scale: `DynamicLossScale`, a float (static) or ``None`` (no scaling).
@@ -65,7 +66,7 @@ class Config:
 
     stage: int = 2
     precision: str = "fp32"
-    optimizer: AdamConfig = dataclasses.field(default_factory=adamw)
+    optimizer: Any = dataclasses.field(default_factory=adamw)
     grad_accum: int = 1
     clip: float | None = None
     loss_scale: DynamicLossScale | float | None = None
@@ -85,8 +86,8 @@ class Config:
         check(self.stage in (0, 1, 2, 3) and not isinstance(self.stage, bool),
                "stage", "one of 0, 1, 2, 3", self.stage)
         check(self.precision in _PRECISIONS, "precision", '"fp32", "fp16" or "bf16"', self.precision)
-        check(isinstance(self.optimizer, AdamConfig), "optimizer",
-               "zfunc.adam(...) or zfunc.adamw(...)", self.optimizer)
+        check(isinstance(self.optimizer, OPTIMIZERS), "optimizer",
+              "zfunc.adam, adamw, sgd, lion or adagrad (...)", self.optimizer)
         check(is_positive_int(self.grad_accum), "grad_accum", "a positive integer", self.grad_accum)
         check(self.clip is None or (is_finite_number(self.clip) and self.clip >= 0),
                "clip", "None or a finite number >= 0", self.clip)

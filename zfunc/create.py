@@ -16,9 +16,9 @@ from zfunc.errors import ConfigError
 from zfunc.layout import make_layout, master_view
 from zfunc.optim import assign_groups
 from zfunc.scaler import scaler_init
-from zfunc.state import AdamState, GroupHyper, Metrics, TrainState
+from zfunc.state import GroupHyper, Metrics, TrainState
 
-__all__ = ["init", "full_params", "gather_by_name", "units_of", "group_hyper", "trainable_params"]
+__all__ = ["init", "full_params", "gather_by_name", "units_of", "group_hyper", "trainable_params", "HYPER_FIELDS"]
 
 
 def trainable_params(model: torch.nn.Module, cfg: Config) -> dict[str, torch.Tensor]:
@@ -112,8 +112,14 @@ def units_of(model: torch.nn.Module, cfg: Config,
     return list(groups.values()), list(groups)
 
 
+HYPER_FIELDS = ("lr", "weight_decay", "beta1", "beta2", "eps", "momentum", "dampening", "lr_decay")
+
+
 def group_hyper(cfg: Config) -> GroupHyper:
     """The hyperparameters of the optimizer (group 0) and of each `zfunc.ParamGroup`, on the host.
+
+    Raises:
+        ConfigError: a group sets a hyperparameter the optimizer does not read.
 
     Examples:
         >>> import zfunc
@@ -122,15 +128,16 @@ def group_hyper(cfg: Config) -> GroupHyper:
         [0.1, 0.2]
     """
     opt = cfg.optimizer
-
-    def pick(value: float | None, default: float) -> float:
-        return default if value is None else float(value)
-
-    rows = [(opt.lr, opt.weight_decay, *opt.betas, opt.eps)]
-    rows += [(pick(g.lr, opt.lr), pick(g.weight_decay, opt.weight_decay), *(g.betas or opt.betas), pick(g.eps, opt.eps))
-             for g in cfg.param_groups]
-    table = torch.tensor(rows, dtype=torch.float64)
-    return GroupHyper(*(torch.tensor(table[:, i].tolist(), dtype=torch.float64) for i in range(5)))
+    rows = [opt.values()]
+    for i, g in enumerate(cfg.param_groups):
+        given = g.values()
+        extra = sorted(set(given) - set(opt.live))
+        if extra:
+            raise ConfigError(f"param_groups[{i}]: {opt.name} does not read {extra} (it reads "
+                              f"{', '.join(opt.live)}); remove them from the group")
+        rows.append({**rows[0], **given})
+    return GroupHyper(**{f: torch.tensor([float(r.get(f, 0.0)) for r in rows], dtype=torch.float64)
+                         for f in HYPER_FIELDS})
 
 
 def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *,
@@ -202,7 +209,9 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
         if cdt == mdt:  # the master shard is a view of the compute buffer: no second copy
             params = master_view(compute, layout, cfg.stage)
     grads_numel = layout.full_numel if cfg.stage < 2 else layout.arena_numel
-    zeros = torch.zeros(params.numel(), dtype=cfg.moment_dtype, device=device)
+    opt = cfg.optimizer
+    slots = {name: torch.full((params.numel(),), opt.slot_init, dtype=cfg.moment_dtype, device=device)
+             for name in opt.slots}
 
     def scalar(v: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.tensor(v, dtype=dtype, device=device)
@@ -218,7 +227,7 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
     return TrainState(
         params=params, compute=compute,
         grads=torch.zeros(grads_numel, dtype=cfg.grad_accum_dtype, device=device),
-        opt=AdamState(mu=zeros, nu=zeros.clone(), count=scalar(0, torch.int64)), hyper=hyper,
+        opt=opt.state_class(**slots, count=scalar(0, torch.int64)), hyper=hyper,
         scaler=scaler, step=scalar(0, torch.int64), micro_step=torch.zeros((), dtype=torch.int64),
         loss_sum=scalar(0.0),
         metrics=Metrics(loss=scalar(float("nan")), grad_norm=scalar(0.0), loss_scale=scaler.scale.clone(),

@@ -24,7 +24,7 @@ import torch
 
 from zfunc import schedules
 from zfunc.errors import ConfigError
-from zfunc.optim import AdamConfig
+from zfunc.optim import AdagradConfig, AdamConfig, LionConfig, SGDConfig
 from zfunc.scaler import FLOAT32_MAX, DynamicLossScale
 
 __all__ = ["translate", "BatchSizes", "batch_sizes"]
@@ -173,29 +173,43 @@ def _refuse_unknown(ds: Mapping[str, Any]) -> None:
         raise _err("bf16.immediate_grad_update", "false (zfunc accumulates gradients until the step)", True)
 
 
-def _optimizer(ds: Mapping[str, Any]) -> AdamConfig:
+def _optimizer(ds: Mapping[str, Any]) -> Any:
+    """The optimizer record of the ``optimizer`` section: DeepSpeed's names for Adam, AdamW, SGD,
+    Lion and Adagrad (case-insensitive), each with its own ``params``."""
     sec = _section(ds, "optimizer")
     kind = str(sec.get("type", "AdamW"))
     params = dict(sec.get("params") or {})
     if "max_grad_norm" in params:
         raise ConfigError("optimizer.params.max_grad_norm: not supported; use the top-level gradient_clipping")
-    if kind.lower() not in ("adam", "adamw"):
-        raise _err("optimizer.type", '"Adam" or "AdamW" (zfunc implements Adam/AdamW)', kind)
-    # DeepSpeed: "Adam" means AdamW unless adam_w_mode is false.
-    decoupled = _bool(params.pop("adam_w_mode", True), "optimizer.params.adam_w_mode") if kind.lower() == "adam" else True
-    _bool(params.pop("torch_adam", False), "optimizer.params.torch_adam")
-    unknown = set(params) - {"lr", "betas", "eps", "weight_decay"}
+    record, accepted = {"adam": (AdamConfig, _ADAM_KEYS), "adamw": (AdamConfig, _ADAM_KEYS),
+                        "sgd": (SGDConfig, {"lr", "momentum", "dampening", "weight_decay", "nesterov"}),
+                        "lion": (LionConfig, {"lr", "betas", "weight_decay"}),
+                        "adagrad": (AdagradConfig, {"lr", "lr_decay", "weight_decay", "eps",
+                                                    "initial_accumulator_value"})}.get(kind.lower(), (None, None))
+    if record is None:
+        raise _err("optimizer.type", '"Adam", "AdamW", "SGD", "Lion" or "Adagrad" (what zfunc implements)', kind)
+    if record is AdamConfig:
+        # DeepSpeed: "Adam" means AdamW unless adam_w_mode is false.
+        decoupled = _bool(params.pop("adam_w_mode", True), "optimizer.params.adam_w_mode") if kind.lower() == "adam" else True
+        _bool(params.pop("torch_adam", False), "optimizer.params.torch_adam")
+        params["decoupled"] = decoupled
+        accepted = accepted | {"decoupled"}
+    unknown = sorted(set(params) - accepted)
     if unknown:
-        raise _err("optimizer.params", "only lr, betas, eps, weight_decay, adam_w_mode, torch_adam", sorted(unknown))
-    betas = params.get("betas", (0.9, 0.999))
-    if not isinstance(betas, (list, tuple)):
-        raise _err("optimizer.params.betas", "a list of two numbers in [0, 1)", betas)
+        raise _err("optimizer.params", f"keys of {kind}: {', '.join(sorted(accepted - {'decoupled'}))}", unknown)
+    if "betas" in params:
+        if not isinstance(params["betas"], (list, tuple)):
+            raise _err("optimizer.params.betas", "a list of two numbers", params["betas"])
+        params["betas"] = tuple(params["betas"])
+    if "nesterov" in params:
+        _bool(params["nesterov"], "optimizer.params.nesterov")
     try:
-        return AdamConfig(lr=params.get("lr", 1e-3), betas=tuple(betas),
-                          eps=params.get("eps", 1e-8), weight_decay=params.get("weight_decay", 0.0),
-                          decoupled=decoupled)
+        return record(**params)
     except ConfigError as e:
         raise ConfigError(str(e).replace("optimizer.", "optimizer.params.", 1)) from None
+
+
+_ADAM_KEYS = {"lr", "betas", "eps", "weight_decay"}
 
 
 def _bool(v: Any, path: str) -> bool:

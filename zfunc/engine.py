@@ -27,7 +27,7 @@ from zfunc.config import Config
 from zfunc.create import full_params, init
 from zfunc.deepspeed_config import BatchSizes, translate
 from zfunc.errors import ConfigError
-from zfunc.optim import AdamConfig
+from zfunc.optim import OPTIMIZERS
 from zfunc.shim_optim import OptimizerView, plan_groups
 from zfunc.state import TrainState
 from zfunc.update import apply_step, learning_rates, set_hyperparams
@@ -392,13 +392,13 @@ def initialize(model: torch.nn.Module, config: Mapping[str, Any] | str | os.Path
     else:
         fields, batch = translate(config or {"train_micro_batch_size_per_gpu": 1}, world_size=group.size)
         cfg = Config(**fields)
-    if optimizer is not None and not isinstance(optimizer, (AdamConfig, torch.optim.Optimizer)):
-        raise ConfigError(f"optimizer: expected None, zfunc.adam(...)/adamw(...), or a torch.optim.Adam/AdamW, "
-                          f"got {type(optimizer).__name__}")
+    if optimizer is not None and not isinstance(optimizer, (*OPTIMIZERS, torch.optim.Optimizer)):
+        raise ConfigError(f"optimizer: expected None, a zfunc optimizer (zfunc.adamw(...), sgd, lion, adagrad), or a "
+                          f"torch.optim.Adam/AdamW/SGD/Adagrad, got {type(optimizer).__name__}")
     plan = plan_groups(model, cfg.optimizer, optimizer=optimizer, model_parameters=model_parameters)
     if plan.dicts is not None:
         cfg = cfg.replace(optimizer=plan.optimizer, param_groups=plan.groups, freeze=plan.freeze)
-    elif isinstance(optimizer, AdamConfig):
+    elif isinstance(optimizer, OPTIMIZERS):
         cfg = cfg.replace(optimizer=optimizer)
     engine = Engine(model, cfg, group=group, batch=batch, optimizer_groups=plan.dicts, lr_scheduler=lr_scheduler)
     return engine, engine.optimizer, None, engine.lr_scheduler

@@ -16,7 +16,8 @@ def memory_report(state: TrainState) -> dict[str, int]:
     """Bytes this rank holds for parameters, gradients and optimizer state.
 
     ``params`` counts the compute copy and the master copy once each (once in total where they
-    share memory); ``optimizer`` counts the moments; ``total`` adds them up.
+    share memory); ``optimizer`` counts the optimizer's slots (Adam's two moments, SGD's, Lion's
+    or Adagrad's one); ``total`` adds them up.
 
     Examples:
         >>> import torch, zfunc
@@ -32,7 +33,7 @@ def memory_report(state: TrainState) -> dict[str, int]:
         return sum(seen.values())
 
     rep = {"params": nbytes(state.params, state.compute), "grads": nbytes(state.grads),
-           "optimizer": nbytes(state.opt.mu) + nbytes(state.opt.nu)}
+           "optimizer": sum(nbytes(getattr(state.opt, n)) for n in state.cfg.optimizer.slots)}
     rep["total"] = sum(rep.values())
     return rep
 
@@ -61,6 +62,6 @@ def memory_plan(model: torch.nn.Module, cfg: Config, world_size: int) -> dict[st
     compute = (lay.arena_numel if cfg.stage == 3 else lay.full_numel) * size(cfg.compute_dtype)
     master = 0 if cfg.compute_dtype == cfg.master_dtype else opt_numel * size(cfg.master_dtype)
     grads = (lay.full_numel if cfg.stage < 2 else lay.arena_numel) * size(cfg.grad_accum_dtype)
-    plan = {"params": compute + master, "grads": grads, "optimizer": 2 * opt_numel * size(cfg.moment_dtype)}
+    plan = {"params": compute + master, "grads": grads, "optimizer": len(cfg.optimizer.slots) * opt_numel * size(cfg.moment_dtype)}
     plan["total"] = sum(plan.values())
     return plan

@@ -9,9 +9,12 @@ from typing import Union
 
 import torch
 
+import zfunc_kernels
 from zfunc.errors import ConfigError, check, is_finite_number, is_number
+from zfunc.state import AdagradState, AdamState, LionState, SGDState
 
-__all__ = ["AdamConfig", "adam", "adamw", "ParamGroup", "assign_groups"]
+__all__ = ["AdamConfig", "SGDConfig", "LionConfig", "AdagradConfig", "OPTIMIZERS", "adam", "adamw", "sgd", "lion",
+           "adagrad", "ParamGroup", "assign_groups"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +36,24 @@ class AdamConfig:
     weight_decay: float = 0.0
     decoupled: bool = True
 
+    name = "adam"
+    slots = ("mu", "nu")
+    live = ("lr", "weight_decay", "beta1", "beta2", "eps")
+    state_class = AdamState
+    slot_init = 0.0
+
+    def values(self) -> dict[str, float]:
+        """The per-group hyperparameters this optimizer reads, as `zfunc.GroupHyper` names them."""
+        return {"lr": self.lr, "weight_decay": self.weight_decay, "beta1": self.betas[0], "beta2": self.betas[1],
+                "eps": self.eps}
+
+    def fused(self, master: torch.Tensor, grad: torch.Tensor, slots: list[torch.Tensor],
+              scalars: zfunc_kernels.StepScalars, row: dict[str, float], compute: torch.Tensor | None) -> None:
+        """One fused pass over a run of one parameter group (``row``: its hyperparameters)."""
+        hyper = zfunc_kernels.AdamHyper(beta1=row["beta1"], beta2=row["beta2"], eps=row["eps"],
+                                        weight_decay=row["weight_decay"], decoupled=self.decoupled)
+        zfunc_kernels.fused_adam(master, grad, *slots, scalars, hyper, compute=compute)
+
     def __post_init__(self) -> None:
         check(is_finite_number(self.lr) and self.lr >= 0, "optimizer.lr", "a finite number >= 0", self.lr)
         b = self.betas
@@ -42,6 +63,181 @@ class AdamConfig:
         check(is_finite_number(self.eps) and self.eps >= 0, "optimizer.eps", "a finite number >= 0", self.eps)
         check(is_finite_number(self.weight_decay) and self.weight_decay >= 0,
               "optimizer.weight_decay", "a finite number >= 0", self.weight_decay)
+
+
+def _check_common(lr: float, weight_decay: float) -> None:
+    check(is_finite_number(lr) and lr >= 0, "optimizer.lr", "a finite number >= 0", lr)
+    check(is_finite_number(weight_decay) and weight_decay >= 0, "optimizer.weight_decay", "a finite number >= 0",
+          weight_decay)
+
+
+@dataclasses.dataclass(frozen=True)
+class SGDConfig:
+    """``torch.optim.SGD``'s hyperparameters with torch's names and defaults (`zfunc.sgd`).
+
+    Examples:
+        >>> import zfunc
+        >>> zfunc.SGDConfig(lr=0.1, momentum=0.9, nesterov=True).slots
+        ('momentum_buffer',)
+    """
+
+    lr: float = 1e-3
+    momentum: float = 0.0
+    dampening: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+
+    name = "sgd"
+    slots = ("momentum_buffer",)
+    live = ("lr", "weight_decay", "momentum", "dampening")
+    state_class = SGDState
+    slot_init = 0.0
+
+    def __post_init__(self) -> None:
+        _check_common(self.lr, self.weight_decay)
+        check(is_finite_number(self.momentum) and self.momentum >= 0, "optimizer.momentum", "a finite number >= 0",
+              self.momentum)
+        check(is_finite_number(self.dampening), "optimizer.dampening", "a finite number", self.dampening)
+        check(isinstance(self.nesterov, bool), "optimizer.nesterov", "True or False", self.nesterov)
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise ConfigError("optimizer.nesterov: needs momentum > 0 and dampening 0 (as torch.optim.SGD)")
+
+    def values(self) -> dict[str, float]:
+        """The per-group hyperparameters this optimizer reads."""
+        return {"lr": self.lr, "weight_decay": self.weight_decay, "momentum": self.momentum,
+                "dampening": self.dampening}
+
+    def fused(self, master: torch.Tensor, grad: torch.Tensor, slots: list[torch.Tensor],
+              scalars: zfunc_kernels.StepScalars, row: dict[str, float], compute: torch.Tensor | None) -> None:
+        """One fused pass over a run of one parameter group."""
+        hyper = zfunc_kernels.SGDHyper(momentum=row["momentum"], dampening=row["dampening"],
+                                       weight_decay=row["weight_decay"], nesterov=self.nesterov)
+        zfunc_kernels.fused_sgd(master, grad, *slots, scalars, hyper, compute=compute)
+
+
+@dataclasses.dataclass(frozen=True)
+class LionConfig:
+    """Lion's hyperparameters (Chen et al., 2023), decoupled weight decay (`zfunc.lion`).
+
+    Examples:
+        >>> import zfunc
+        >>> zfunc.LionConfig().betas
+        (0.9, 0.99)
+    """
+
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.99)
+    weight_decay: float = 0.0
+
+    name = "lion"
+    slots = ("mu",)
+    live = ("lr", "weight_decay", "beta1", "beta2")
+    state_class = LionState
+    slot_init = 0.0
+
+    def __post_init__(self) -> None:
+        _check_common(self.lr, self.weight_decay)
+        b = self.betas
+        check(isinstance(b, (tuple, list)) and len(b) == 2 and all(is_number(x) and 0 <= x <= 1 for x in b),
+              "optimizer.betas", "two numbers in [0, 1]", b)
+        object.__setattr__(self, "betas", (float(b[0]), float(b[1])))
+
+    def values(self) -> dict[str, float]:
+        """The per-group hyperparameters this optimizer reads."""
+        return {"lr": self.lr, "weight_decay": self.weight_decay, "beta1": self.betas[0], "beta2": self.betas[1]}
+
+    def fused(self, master: torch.Tensor, grad: torch.Tensor, slots: list[torch.Tensor],
+              scalars: zfunc_kernels.StepScalars, row: dict[str, float], compute: torch.Tensor | None) -> None:
+        """One fused pass over a run of one parameter group."""
+        hyper = zfunc_kernels.LionHyper(beta1=row["beta1"], beta2=row["beta2"], weight_decay=row["weight_decay"])
+        zfunc_kernels.fused_lion(master, grad, *slots, scalars, hyper, compute=compute)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdagradConfig:
+    """``torch.optim.Adagrad``'s hyperparameters with torch's names and defaults (`zfunc.adagrad`).
+
+    Examples:
+        >>> import zfunc
+        >>> zfunc.AdagradConfig().eps
+        1e-10
+    """
+
+    lr: float = 1e-2
+    lr_decay: float = 0.0
+    weight_decay: float = 0.0
+    eps: float = 1e-10
+    initial_accumulator_value: float = 0.0
+
+    name = "adagrad"
+    slots = ("sum",)
+    live = ("lr", "weight_decay", "lr_decay", "eps")
+    state_class = AdagradState
+
+    def __post_init__(self) -> None:
+        _check_common(self.lr, self.weight_decay)
+        for key in ("lr_decay", "eps", "initial_accumulator_value"):
+            v = getattr(self, key)
+            check(is_finite_number(v) and v >= 0, f"optimizer.{key}", "a finite number >= 0", v)
+
+    @property
+    def slot_init(self) -> float:
+        return float(self.initial_accumulator_value)
+
+    def values(self) -> dict[str, float]:
+        """The per-group hyperparameters this optimizer reads."""
+        return {"lr": self.lr, "weight_decay": self.weight_decay, "lr_decay": self.lr_decay, "eps": self.eps}
+
+    def fused(self, master: torch.Tensor, grad: torch.Tensor, slots: list[torch.Tensor],
+              scalars: zfunc_kernels.StepScalars, row: dict[str, float], compute: torch.Tensor | None) -> None:
+        """One fused pass over a run of one parameter group."""
+        hyper = zfunc_kernels.AdagradHyper(lr_decay=row["lr_decay"], weight_decay=row["weight_decay"], eps=row["eps"])
+        zfunc_kernels.fused_adagrad(master, grad, *slots, scalars, hyper, compute=compute)
+
+
+OPTIMIZERS = (AdamConfig, SGDConfig, LionConfig, AdagradConfig)
+"""The optimizer records: each names its state slots, its per-group hyperparameters (``live``),
+its state record, and its fused pass (``fused``); `zfunc.apply_step`, checkpoints and
+`zfunc.memory_plan` read these instead of naming Adam's moments."""
+
+
+def sgd(lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
+        nesterov: bool = False) -> SGDConfig:
+    """SGD as `torch.optim.SGD` defines it (momentum, dampening, nesterov, L2 weight decay).
+
+    Examples:
+        >>> import torch, zfunc
+        >>> state = zfunc.init(torch.nn.Linear(1, 1, bias=False), zfunc.Config(stage=0, optimizer=zfunc.sgd(lr=0.5)))
+        >>> state = zfunc.accumulate(state, {"weight": torch.ones(1, 1)})
+        >>> w = zfunc.full_params(state)["weight"].item()
+        >>> round(zfunc.full_params(zfunc.apply_step(state))["weight"].item() - w, 4)
+        -0.5
+    """
+    return SGDConfig(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov)
+
+
+def lion(lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0) -> LionConfig:
+    """Lion (Chen et al., 2023): the sign of an interpolated momentum, decoupled weight decay.
+
+    Examples:
+        >>> import zfunc
+        >>> zfunc.lion(lr=3e-4, weight_decay=0.1).weight_decay
+        0.1
+    """
+    return LionConfig(lr=lr, betas=betas, weight_decay=weight_decay)
+
+
+def adagrad(lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0, eps: float = 1e-10,
+            initial_accumulator_value: float = 0.0) -> AdagradConfig:
+    """Adagrad as `torch.optim.Adagrad` defines it.
+
+    Examples:
+        >>> import zfunc
+        >>> zfunc.adagrad(lr=0.1).lr
+        0.1
+    """
+    return AdagradConfig(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps,
+                         initial_accumulator_value=initial_accumulator_value)
 
 
 def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -83,7 +279,8 @@ class ParamGroup:
         lr: this group's learning rate (``None``: the optimizer's). With an ``lr_schedule`` the
             group follows the schedule scaled by ``lr / optimizer.lr``, as torch's schedulers
             scale each group's initial lr.
-        weight_decay, betas, eps: as the optimizer's (``None``: the optimizer's value).
+        weight_decay, betas, eps, momentum, dampening, lr_decay: as the optimizer's (``None``:
+            the optimizer's value); a value the optimizer does not read is an error at `zfunc.init`.
 
     A parameter chosen by no group keeps the optimizer's hyperparameters (group 0); one chosen by
     two groups is an error.
@@ -101,6 +298,9 @@ class ParamGroup:
     weight_decay: float | None = None
     betas: tuple[float, float] | None = None
     eps: float | None = None
+    momentum: float | None = None
+    dampening: float | None = None
+    lr_decay: float | None = None
 
     def __post_init__(self) -> None:
         p = self.params
@@ -117,6 +317,17 @@ class ParamGroup:
             raise ConfigError(str(e).replace("optimizer.", "param_groups.", 1)) from None
         if self.betas is not None:
             object.__setattr__(self, "betas", merged.betas)
+        for key in ("momentum", "dampening", "lr_decay"):
+            v = getattr(self, key)
+            check(v is None or (is_finite_number(v) and v >= 0), f"param_groups.{key}", "a finite number >= 0", v)
+
+    def values(self) -> dict[str, float]:
+        """The hyperparameters this group sets, as `zfunc.GroupHyper` names them."""
+        out = {k: float(getattr(self, k)) for k in ("lr", "weight_decay", "eps", "momentum", "dampening", "lr_decay")
+               if getattr(self, k) is not None}
+        if self.betas is not None:
+            out.update(beta1=self.betas[0], beta2=self.betas[1])
+        return out
 
     def selects(self, name: str, param: torch.Tensor) -> bool:
         """Whether this group chooses the parameter ``name``."""

@@ -17,25 +17,28 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zfunc.errors import ConfigError
-from zfunc.optim import AdamConfig, ParamGroup
+from zfunc.optim import OPTIMIZERS, AdagradConfig, AdamConfig, ParamGroup, SGDConfig
 
 if TYPE_CHECKING:
     from zfunc.engine import Engine
 
 __all__ = ["GroupPlan", "plan_groups", "OptimizerView", "HYPER_KEYS"]
 
-HYPER_KEYS = ("lr", "weight_decay", "betas", "eps")
-# torch Adam/AdamW group keys that change nothing at these values (or are bookkeeping).
+HYPER_KEYS = ("lr", "weight_decay", "betas", "eps", "momentum", "dampening", "lr_decay")
+# torch optimizer group keys that change nothing at these values (or are bookkeeping).
 _NEUTRAL = {"amsgrad": (False,), "maximize": (False,), "foreach": (None, False, True), "capturable": (False,),
             "differentiable": (False,), "fused": (None, False, True)}
-_BOOKKEEPING = {"initial_lr", "name", "decoupled_weight_decay"}
+_BOOKKEEPING = {"initial_lr", "name", "decoupled_weight_decay", "nesterov", "initial_accumulator_value"}
+# The torch optimizers zfunc maps, and the keys that must agree across their groups.
+_TORCH = {torch.optim.Adam: ("adam", ()), torch.optim.AdamW: ("adam", ()), torch.optim.SGD: ("sgd", ("nesterov",)),
+          torch.optim.Adagrad: ("adagrad", ("initial_accumulator_value",))}
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupPlan:
     """The optimizer, groups and frozen parameters `initialize` trains with."""
 
-    optimizer: AdamConfig
+    optimizer: Any
     groups: tuple[ParamGroup, ...]
     freeze: tuple[str, ...]
     dicts: list[dict[str, Any]] | None  # the torch-style group dicts the view shows (None: make them)
@@ -45,18 +48,19 @@ def _names(model: torch.nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in model.named_parameters()}
 
 
-def _check_keys(group: dict[str, Any], i: int, where: str, torch_defaults: bool) -> None:
+def _check_keys(group: dict[str, Any], i: int, where: str, torch_defaults: bool, base: Any) -> None:
+    reads = _reads(base)
     for key, value in group.items():
-        if key == "params" or key in HYPER_KEYS or key in _BOOKKEEPING:
+        if key == "params" or key in reads or key in _BOOKKEEPING:
             continue
         if torch_defaults and key in _NEUTRAL and value in _NEUTRAL[key]:
             continue
         raise ConfigError(
-            f"{where}[{i}].{key}: zfunc cannot honour {key}={value!r} (its Adam/AdamW reads lr, weight_decay, betas "
-            "and eps per group); remove the key or use its default")
+            f"{where}[{i}].{key}: zfunc cannot honour {key}={value!r} ({base.name} reads "
+            f"{', '.join(sorted(reads))} per group); remove the key or use its default")
 
 
-def plan_groups(model: torch.nn.Module, base: AdamConfig, *, optimizer: Any = None,
+def plan_groups(model: torch.nn.Module, base: Any, *, optimizer: Any = None,
                 model_parameters: Iterable[Any] | None = None) -> GroupPlan:
     """The zfunc form of a DeepSpeed optimizer setup; raises `ConfigError` before anything changes.
 
@@ -70,23 +74,16 @@ def plan_groups(model: torch.nn.Module, base: AdamConfig, *, optimizer: Any = No
         ([('weight',), ('bias',)], [0.1, 0.0], ())
     """
     names = _names(model)
-    if optimizer is not None and model_parameters is not None and not isinstance(optimizer, AdamConfig):
+    if optimizer is not None and model_parameters is not None and not isinstance(optimizer, OPTIMIZERS):
         model_parameters = None  # as DeepSpeed: a client optimizer brings its own parameters
-    if isinstance(optimizer, AdamConfig):
+    if isinstance(optimizer, OPTIMIZERS):
         base, optimizer = optimizer, None
     if optimizer is not None:
-        if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-            raise ConfigError(f"optimizer: zfunc maps torch.optim.Adam and AdamW (or zfunc.adam/adamw); got "
-                              f"{type(optimizer).__name__}")
+        if type(optimizer) not in _TORCH:
+            raise ConfigError(f"optimizer: zfunc maps torch.optim.Adam, AdamW, SGD and Adagrad (or zfunc.adamw, sgd, "
+                              f"lion, adagrad records); got {type(optimizer).__name__}")
         dicts, where, torch_defaults = optimizer.param_groups, "optimizer.param_groups", True
-        decoupled = {isinstance(optimizer, torch.optim.AdamW) or bool(g.get("decoupled_weight_decay"))
-                     for g in dicts}
-        if len(decoupled) > 1:
-            raise ConfigError("optimizer.param_groups: decoupled_weight_decay differs between groups; zfunc applies "
-                              "one kind of weight decay to all of them")
-        g0 = dicts[0]
-        base = AdamConfig(lr=float(g0["lr"]), betas=tuple(g0["betas"]), eps=g0["eps"],
-                          weight_decay=g0["weight_decay"], decoupled=decoupled.pop())
+        base = _from_torch(optimizer)
     elif model_parameters is not None:
         given = list(model_parameters)
         if given and all(isinstance(g, dict) for g in given):
@@ -101,7 +98,7 @@ def plan_groups(model: torch.nn.Module, base: AdamConfig, *, optimizer: Any = No
         return GroupPlan(base, (), (), None)
     groups, seen = [], {}
     for i, g in enumerate(dicts):
-        _check_keys(g, i, where, torch_defaults)
+        _check_keys(g, i, where, torch_defaults, base)
         params = g.get("params")
         params = [params] if isinstance(params, torch.Tensor) else list(params or [])
         chosen = []
@@ -114,15 +111,48 @@ def plan_groups(model: torch.nn.Module, base: AdamConfig, *, optimizer: Any = No
             seen[id(p)] = i
             if names[id(p)] not in chosen:
                 chosen.append(names[id(p)])
-        betas = g.get("betas")
-        groups.append(ParamGroup(tuple(chosen), lr=g.get("lr"), weight_decay=g.get("weight_decay"),
-                                 betas=None if betas is None else tuple(betas), eps=g.get("eps")))
+        values = {k: (tuple(g[k]) if k == "betas" else g[k]) for k in HYPER_KEYS if k in g and k in _reads(base)}
+        groups.append(ParamGroup(tuple(chosen), **values))
     listed = {names[i] for i in seen}
     freeze = tuple(n for n, p in model.named_parameters() if p.requires_grad and n not in listed)
     if optimizer is None:  # group dicts from model_parameters: show torch-style dicts with every key
-        dicts = [{**{"lr": base.lr, "weight_decay": base.weight_decay, "betas": base.betas, "eps": base.eps}, **g}
-                 for g in dicts]
+        dicts = [{**_torch_values(base.values()), **g} for g in dicts]
     return GroupPlan(base, tuple(groups), freeze, dicts)
+
+
+def _reads(opt: Any) -> set[str]:
+    """The torch-style group keys ``opt`` reads (``betas`` for beta1/beta2)."""
+    return {"betas" if n.startswith("beta") else n for n in opt.live}
+
+
+def _torch_values(values: dict[str, float]) -> dict[str, Any]:
+    """zfunc's per-group names (beta1, beta2) as torch's group keys (betas)."""
+    out = {k: v for k, v in values.items() if not k.startswith("beta")}
+    if "beta1" in values:
+        out["betas"] = (values["beta1"], values["beta2"])
+    return out
+
+
+def _from_torch(optimizer: torch.optim.Optimizer) -> Any:
+    """The zfunc optimizer record of a torch optimizer, from its first group."""
+    kind, same = _TORCH[type(optimizer)]
+    groups = optimizer.param_groups
+    for key in same:
+        if len({g.get(key) for g in groups}) > 1:
+            raise ConfigError(f"optimizer.param_groups: {key} differs between groups; zfunc uses one value for all")
+    g0 = groups[0]
+    if kind == "adam":
+        decoupled = {isinstance(optimizer, torch.optim.AdamW) or bool(g.get("decoupled_weight_decay")) for g in groups}
+        if len(decoupled) > 1:
+            raise ConfigError("optimizer.param_groups: decoupled_weight_decay differs between groups; zfunc applies "
+                              "one kind of weight decay to all of them")
+        return AdamConfig(lr=float(g0["lr"]), betas=tuple(g0["betas"]), eps=g0["eps"],
+                          weight_decay=g0["weight_decay"], decoupled=decoupled.pop())
+    if kind == "sgd":
+        return SGDConfig(lr=float(g0["lr"]), momentum=g0["momentum"], dampening=g0["dampening"],
+                         weight_decay=g0["weight_decay"], nesterov=bool(g0["nesterov"]))
+    return AdagradConfig(lr=float(g0["lr"]), lr_decay=g0["lr_decay"], weight_decay=g0["weight_decay"], eps=g0["eps"],
+                         initial_accumulator_value=g0["initial_accumulator_value"])
 
 
 class OptimizerView(torch.optim.Optimizer):
@@ -152,21 +182,19 @@ class OptimizerView(torch.optim.Optimizer):
         """Show the state's hyperparameters (and the learning rates a schedule computed) in the dicts."""
         from zfunc.update import learning_rates
 
-        h = self._engine.state.hyper
+        h, opt = self._engine.state.hyper, self._engine.config.optimizer
         scheduled = self._engine.config.lr_schedule is not None
         lrs = learning_rates(self._engine.state).tolist() if scheduled else h.lr.tolist()
         for d, g in zip(self.param_groups, self.index):
-            d.update(lr=lrs[g], weight_decay=h.weight_decay[g].item(), eps=h.eps[g].item(),
-                     betas=(h.beta1[g].item(), h.beta2[g].item()))
+            d.update(_torch_values({n: getattr(h, n)[g].item() for n in opt.live}), lr=lrs[g])
         self._written = [d["lr"] for d in self.param_groups]
 
     def changes(self) -> list[tuple[int, dict[str, Any]]]:
         """``(zfunc group, values)`` for each group whose dict differs from the state."""
-        h, out = self._engine.state.hyper, []
+        h, opt, out = self._engine.state.hyper, self._engine.config.optimizer, []
         for k, (d, g) in enumerate(zip(self.param_groups, self.index)):
-            now = {"lr": d["lr"], "weight_decay": d["weight_decay"], "betas": tuple(d["betas"]), "eps": d["eps"]}
-            have = {"lr": h.lr[g].item(), "weight_decay": h.weight_decay[g].item(), "eps": h.eps[g].item(),
-                    "betas": (h.beta1[g].item(), h.beta2[g].item())}
+            have = _torch_values({n: getattr(h, n)[g].item() for n in opt.live})
+            now = {key: (tuple(d[key]) if key == "betas" else d[key]) for key in have}
             if self._engine.config.lr_schedule is not None:
                 if d["lr"] != self._written[k]:
                     raise ConfigError(f"optimizer.param_groups[{k}]['lr']: the config's scheduler sets the learning "

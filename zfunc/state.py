@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from zfunc.layout import Layout
     from zfunc.scaler import ScalerState
 
-__all__ = ["TrainState", "AdamState", "GroupHyper", "Metrics"]
+__all__ = ["TrainState", "AdamState", "SGDState", "LionState", "AdagradState", "GroupHyper", "Metrics"]
 
 
 @dataclass(frozen=True)
@@ -41,11 +41,57 @@ class AdamState:
 
 
 @dataclass(frozen=True)
+class SGDState:
+    """SGD's momentum buffer over this rank's arena, and the number of updates applied.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> opt = zfunc.init(torch.nn.Linear(3, 1), zfunc.Config(stage=0, optimizer=zfunc.sgd(momentum=0.9))).opt
+        >>> opt.momentum_buffer.shape, opt.count.item()
+        (torch.Size([4]), 0)
+    """
+
+    momentum_buffer: torch.Tensor
+    count: torch.Tensor
+
+
+@dataclass(frozen=True)
+class LionState:
+    """Lion's momentum over this rank's arena, and the number of updates applied.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> zfunc.init(torch.nn.Linear(3, 1), zfunc.Config(stage=0, optimizer=zfunc.lion())).opt.mu.shape
+        torch.Size([4])
+    """
+
+    mu: torch.Tensor
+    count: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AdagradState:
+    """Adagrad's sum of squared gradients over this rank's arena, and the updates applied.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> cfg = zfunc.Config(stage=0, optimizer=zfunc.adagrad(initial_accumulator_value=0.1))
+        >>> [round(x, 2) for x in zfunc.init(torch.nn.Linear(1, 1), cfg).opt.sum.tolist()]
+        [0.1, 0.1, 0.1, 0.1]
+    """
+
+    sum: torch.Tensor
+    count: torch.Tensor
+
+
+@dataclass(frozen=True)
 class GroupHyper:
     """Each parameter group's hyperparameters, float64 tensors of shape ``(groups,)`` on the host.
 
     Group 0 is the optimizer's own (parameters in no `zfunc.ParamGroup`); group ``i + 1`` is
-    ``Config.param_groups[i]``. They are state, not config, so a training loop may change them
+    ``Config.param_groups[i]``. The fields cover every optimizer; each reads its own (Adam:
+    lr, weight_decay, beta1, beta2, eps; SGD: lr, weight_decay, momentum, dampening; Lion: lr,
+    weight_decay, beta1, beta2; Adagrad: lr, weight_decay, lr_decay, eps) and the rest are 0. They are state, not config, so a training loop may change them
     (`zfunc.set_hyperparams`, or ``optimizer.param_groups[i]["lr"] = ...`` in the engine) and a
     checkpoint keeps them. On the host, reading them never waits for a GPU.
 
@@ -61,6 +107,9 @@ class GroupHyper:
     beta1: torch.Tensor
     beta2: torch.Tensor
     eps: torch.Tensor
+    momentum: torch.Tensor
+    dampening: torch.Tensor
+    lr_decay: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -90,7 +139,8 @@ class TrainState:
         compute: the compute-dtype parameters forward uses: the full padded flat buffer for
             stages 0-2, this rank's arena for stage 3. Aliases ``params`` when the dtypes agree.
         grads: the gradient accumulator: full for stages 0-1, this rank's arena for 2-3.
-        opt: `AdamState` shaped like ``params``.
+        opt: the optimizer's state record (`AdamState`, `SGDState`, `LionState`,
+            `AdagradState`), its slots shaped like ``params``.
         hyper: `GroupHyper`: each parameter group's learning rate, weight decay, betas, eps.
         scaler: `zfunc.scaler.ScalerState`.
         step: optimizer steps taken (skipped ones included), int64, on the device. The loss
@@ -119,7 +169,7 @@ class TrainState:
     params: torch.Tensor
     compute: torch.Tensor
     grads: torch.Tensor
-    opt: AdamState
+    opt: Any
     hyper: GroupHyper
     scaler: ScalerState
     step: torch.Tensor

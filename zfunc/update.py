@@ -22,9 +22,9 @@ import torch
 import zfunc_kernels
 from zfunc import comm
 from zfunc.layout import master_view
+from zfunc.create import HYPER_FIELDS
 from zfunc.scaler import scaler_update
-from zfunc.optim import AdamConfig
-from zfunc.state import AdamState, GroupHyper, Metrics, TrainState
+from zfunc.state import GroupHyper, Metrics, TrainState
 
 __all__ = ["apply_step", "learning_rate", "learning_rates", "set_hyperparams"]
 
@@ -72,10 +72,11 @@ def learning_rate(state: TrainState) -> torch.Tensor:
 def set_hyperparams(state: TrainState, group: int = 0, **values: float | tuple[float, float]) -> TrainState:
     """A state whose parameter group ``group`` uses new hyperparameters from the next step on.
 
-    ``values``: any of ``lr``, ``weight_decay``, ``betas``, ``eps`` (checked as in
-    `zfunc.adamw`). The state keeps them, and so does a checkpoint of it. Changing the learning
-    rate every iteration by hand (nanoGPT's loop) is ``state = set_hyperparams(state, lr=...)``
-    for each group.
+    ``values``: any hyperparameter the optimizer reads (``lr``, ``weight_decay``, and ``betas``
+    and ``eps`` for Adam; ``momentum`` and ``dampening`` for SGD; ``betas`` for Lion;
+    ``lr_decay`` and ``eps`` for Adagrad), checked as the optimizer's own. The state keeps
+    them, and so does a checkpoint of it. Changing the learning rate every iteration by hand
+    (nanoGPT's loop) is ``state = set_hyperparams(state, g, lr=...)`` for each group ``g``.
 
     Examples:
         >>> import torch, zfunc
@@ -84,25 +85,32 @@ def set_hyperparams(state: TrainState, group: int = 0, **values: float | tuple[f
         >>> later.hyper.lr.tolist(), later.hyper.beta2.tolist(), state.hyper.lr.tolist()
         ([0.05], [0.95], [0.1])
     """
-    h = state.hyper
+    h, opt = state.hyper, state.cfg.optimizer
     if not (isinstance(group, int) and 0 <= group < h.lr.numel()):
         raise ValueError(f"set_hyperparams: group must be in [0, {h.lr.numel()}), got {group!r}")
-    unknown = set(values) - {"lr", "weight_decay", "betas", "eps"}
+    names = {"betas" if n.startswith("beta") else n for n in opt.live}
+    unknown = set(values) - names
     if unknown:
-        raise ValueError(f"set_hyperparams: {sorted(unknown)} are not hyperparameters zfunc's Adam reads; "
-                         "use lr, weight_decay, betas or eps")
-    now = {"lr": h.lr[group].item(), "weight_decay": h.weight_decay[group].item(),
-           "betas": (h.beta1[group].item(), h.beta2[group].item()), "eps": h.eps[group].item()}
-    now.update(values)
-    checked = AdamConfig(**now)  # the same checks as the optimizer's own values
-    new = {"lr": checked.lr, "weight_decay": checked.weight_decay, "beta1": checked.betas[0],
-           "beta2": checked.betas[1], "eps": checked.eps}
-    fields = {}
-    for name, value in new.items():
-        t = getattr(h, name).clone()
-        t[group] = value
-        fields[name] = t
-    return state.replace(hyper=GroupHyper(**fields))
+        raise ValueError(f"set_hyperparams: {opt.name} does not read {sorted(unknown)}; it reads "
+                         f"{', '.join(sorted(names))}")
+    current = {name: getattr(h, name)[group].item() for name in opt.live}
+    changes = dict(values)
+    if "betas" in changes:
+        b1, b2 = changes.pop("betas")
+        changes.update(beta1=b1, beta2=b2)
+    merged = {**current, **changes}
+    fields = dict(merged)
+    if "beta1" in fields:
+        fields["betas"] = (fields.pop("beta1"), fields.pop("beta2"))
+    type(opt)(**fields)  # the same checks as the optimizer's own values
+    new = {}
+    for name in HYPER_FIELDS:
+        t = getattr(h, name)
+        if name in changes:
+            t = t.clone()
+            t[group] = float(merged[name])
+        new[name] = t
+    return state.replace(hyper=GroupHyper(**new))
 
 
 def _reduce(state: TrainState, donate: bool) -> torch.Tensor:
@@ -178,8 +186,8 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
         master = compute if state.stage == 3 else master_view(compute, lay, state.stage)
     else:
         master = state.params if donate else state.params.clone()
-    mu = state.opt.mu if donate else state.opt.mu.clone()
-    nu = state.opt.nu if donate else state.opt.nu.clone()
+    opt = cfg.optimizer
+    slots = [getattr(state.opt, n) if donate else getattr(state.opt, n).clone() for n in opt.slots]
     count = state.opt.count.clone()
     if aliased:
         compute_out = None
@@ -188,13 +196,9 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
     else:  # this rank's slice of the full compute buffer, gathered below
         compute_out = master_view(compute, lay, state.stage)
     # One fused pass per run of one parameter group (one run per group at stages 0-2).
-    h = state.hyper
-    table = list(zip(h.weight_decay.tolist(), h.beta1.tolist(), h.beta2.tolist(), h.eps.tolist()))  # host
+    table = {name: getattr(state.hyper, name).tolist() for name in opt.live}  # on the host: no sync
     segments = lay.full_segments if state.stage == 0 else lay.arena_segments
     for k, (g, start, n) in enumerate(segments):
-        wd, beta1, beta2, eps = table[g]
-        hyper = zfunc_kernels.AdamHyper(beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd,
-                                        decoupled=cfg.optimizer.decoupled)
         step = count if k == 0 else state.opt.count.clone()  # each pass bumps its own copy
         scalars = zfunc_kernels.StepScalars(step=step, lr=lrs[g], inv_scale=inv_scale, clip_coef=clip_coef,
                                             found_inf=skip)
@@ -202,8 +206,8 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
         def part(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.narrow(0, start, n)
 
-        zfunc_kernels.fused_adam(part(master), part(grad), part(mu), part(nu), scalars, hyper,
-                                 compute=part(compute_out))
+        opt.fused(part(master), part(grad), [part(s) for s in slots], scalars,
+                  {name: values[g] for name, values in table.items()}, part(compute_out))
 
     # Gather the updated compute parameters where forward reads them in full.
     if state.stage in (1, 2):
@@ -215,7 +219,8 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
                       grad_norm=grad_norm, loss_scale=state.scaler.scale,
                       skipped=skip, lr=lrs[lay.groups[0]])
     return state.replace(params=master, compute=compute, grads=grads, buffers=_rank0_buffers(state),
-                         opt=AdamState(mu=mu, nu=nu, count=count), scaler=scaler, step=state.step + 1,
+                         opt=opt.state_class(**dict(zip(opt.slots, slots)), count=count), scaler=scaler,
+                         step=state.step + 1,
                          micro_step=torch.zeros_like(state.micro_step), loss_sum=torch.zeros_like(state.loss_sum),
                          metrics=metrics)
 

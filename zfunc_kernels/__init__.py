@@ -21,13 +21,20 @@ import os
 import torch
 
 from zfunc_kernels import _reference
-from zfunc_kernels._records import AdamHyper, AdamVectors, Backend, StepScalars
+from zfunc_kernels._records import (AdagradHyper, AdamHyper, AdamVectors, Backend, LionHyper, SGDHyper, SlotVectors,
+                                    StepScalars)
 
 __all__ = [
+    "AdagradHyper",
     "AdamHyper",
+    "LionHyper",
+    "SGDHyper",
     "StepScalars",
     "backend",
+    "fused_adagrad",
     "fused_adam",
+    "fused_lion",
+    "fused_sgd",
     "overflow_sumsq",
 ]
 
@@ -192,6 +199,97 @@ def fused_adam(
     if impl is not _reference:  # kernels write behind autograd's back: tell it, as torch ops do
         for t in (master, mu, nu, scalars.step) if compute is None else (master, mu, nu, scalars.step, compute):
             torch.autograd.graph.increment_version(t)
+
+
+def _fused_slot(kind: str, master: torch.Tensor, grad: torch.Tensor, slot: torch.Tensor, scalars: StepScalars,
+                hyper: tuple, compute: torch.Tensor | None, backend: str | None) -> None:
+    n, dev = master.numel(), master.device
+    _check_vector("master", master, _MASTER, n, dev)
+    _check_vector("grad", grad, _MASTER, n, dev)
+    _check_vector("slot", slot, _MOMENT, n, dev)
+    if compute is not None:
+        _check_vector("compute", compute, _MASTER, n, dev)
+    scalars = StepScalars(*scalars)
+    for name, t in scalars._asdict().items():
+        _check_scalar(name, t, torch.int64 if name == "step" else torch.float32, dev)
+    impl = _impl(_resolve(backend, master))
+    impl.fused_slot_update(kind, SlotVectors(master, grad, slot, compute), scalars, tuple(float(h) for h in hyper))
+    if impl is not _reference:  # kernels write behind autograd's back: tell it, as torch ops do
+        for t in (master, slot, scalars.step) if compute is None else (master, slot, scalars.step, compute):
+            torch.autograd.graph.increment_version(t)
+
+
+def fused_sgd(master: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor, scalars: StepScalars,
+              hyper: SGDHyper, *, compute: torch.Tensor | None = None, backend: str | None = None) -> None:
+    r"""One ``torch.optim.SGD`` step (momentum, dampening, nesterov, weight decay) in one pass.
+
+    With ``g`` the unscaled, clipped gradient: ``d = g + wd p``; with momentum the buffer is
+    ``d`` on the first step (``scalars.step == 0``) and ``momentum b + (1 - dampening) d``
+    after; ``d = d + momentum b`` (nesterov) or ``b``; ``p -= lr d``. Unscale, clip, the skip on
+    ``found_inf`` (``step`` not advanced) and the compute copy are as in `fused_adam`.
+
+    Args:
+        master: 1-D master weights (float32, bfloat16 or float16), updated.
+        grad: the gradient, same length (read only).
+        momentum_buffer: the momentum (float32 or bfloat16), updated.
+        scalars: `StepScalars` on the device.
+        hyper: `SGDHyper`.
+        compute: optional compute-dtype copy of ``master`` to write.
+        backend: ``None`` (by device), ``"cpu"``, ``"cuda"``, ``"sim"`` or ``"torch"``.
+
+    Examples:
+        >>> import torch, zfunc_kernels
+        >>> p, g, b, step = torch.ones(2), torch.tensor([1.0, -1.0]), torch.zeros(2), torch.tensor(0)
+        >>> s = zfunc_kernels.StepScalars(step, torch.tensor(0.1), torch.tensor(1.0), torch.tensor(1.0),
+        ...                               torch.tensor(0.0))
+        >>> for _ in range(2):
+        ...     zfunc_kernels.fused_sgd(p, g, b, s, zfunc_kernels.SGDHyper(momentum=0.9))
+        >>> [round(x, 4) for x in p.tolist()], [round(x, 4) for x in b.tolist()], int(step)
+        ([0.71, 1.29], [1.9, -1.9], 2)
+    """
+    _fused_slot("sgd", master, grad, momentum_buffer, scalars, SGDHyper(*hyper), compute, backend)
+
+
+def fused_lion(master: torch.Tensor, grad: torch.Tensor, mu: torch.Tensor, scalars: StepScalars,
+               hyper: LionHyper, *, compute: torch.Tensor | None = None, backend: str | None = None) -> None:
+    r"""One Lion step (Chen et al., 2023) in one pass.
+
+    ``p = p (1 - lr wd) - lr sign(beta1 m + (1 - beta1) g)``, then
+    ``m = beta2 m + (1 - beta2) g``; unscale, clip, skip and compute copy as in `fused_adam`.
+
+    Examples:
+        >>> import torch, zfunc_kernels
+        >>> p, g, m, step = torch.ones(2), torch.tensor([3.0, -0.5]), torch.zeros(2), torch.tensor(0)
+        >>> s = zfunc_kernels.StepScalars(step, torch.tensor(0.1), torch.tensor(1.0), torch.tensor(1.0),
+        ...                               torch.tensor(0.0))
+        >>> zfunc_kernels.fused_lion(p, g, m, s, zfunc_kernels.LionHyper())
+        >>> [round(x, 4) for x in p.tolist()], [round(x, 4) for x in m.tolist()]
+        ([0.9, 1.1], [0.03, -0.005])
+
+    References:
+        Chen et al., "Symbolic Discovery of Optimization Algorithms", NeurIPS 2023.
+    """
+    _fused_slot("lion", master, grad, mu, scalars, LionHyper(*hyper), compute, backend)
+
+
+def fused_adagrad(master: torch.Tensor, grad: torch.Tensor, state_sum: torch.Tensor, scalars: StepScalars,
+                  hyper: AdagradHyper, *, compute: torch.Tensor | None = None, backend: str | None = None) -> None:
+    r"""One ``torch.optim.Adagrad`` step in one pass.
+
+    ``d = g + wd p``, ``s += d^2``, ``p -= clr d / (sqrt(s) + eps)`` with
+    ``clr = lr / (1 + step * lr_decay)`` (``step``: updates before this one); unscale, clip, skip
+    and compute copy as in `fused_adam`.
+
+    Examples:
+        >>> import torch, zfunc_kernels
+        >>> p, g, acc, step = torch.ones(2), torch.tensor([2.0, -2.0]), torch.zeros(2), torch.tensor(0)
+        >>> s = zfunc_kernels.StepScalars(step, torch.tensor(0.1), torch.tensor(1.0), torch.tensor(1.0),
+        ...                               torch.tensor(0.0))
+        >>> zfunc_kernels.fused_adagrad(p, g, acc, s, zfunc_kernels.AdagradHyper())
+        >>> [round(x, 4) for x in p.tolist()], acc.tolist()
+        ([0.9, 1.1], [4.0, 4.0])
+    """
+    _fused_slot("adagrad", master, grad, state_sum, scalars, AdagradHyper(*hyper), compute, backend)
 
 
 def overflow_sumsq(

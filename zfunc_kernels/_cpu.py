@@ -28,8 +28,9 @@ from zfunc_kernels import _codec, _shared
 from zfunc_kernels._adapt import as_numpy
 from zfunc_kernels._cache import track_shared_math
 from zfunc_kernels._codec import load, quantize, store
-from zfunc_kernels._math import adam_constants, adam_element, square64
-from zfunc_kernels._records import AdamHyper, AdamVectors, StepScalars
+from zfunc_kernels._math import (adagrad_constants, adagrad_element, adam_constants, adam_element, lion_constants,
+                                 lion_element, sgd_constants, sgd_element, square64)
+from zfunc_kernels._records import AdamHyper, AdamVectors, SlotVectors, StepScalars
 
 BLOCK = 1 << 14
 """Elements per parallel work item: 64 KiB of each float32 stream, sized for L2."""
@@ -204,6 +205,47 @@ def adam_kernel(
     step[0] += 1
 
 
+def _slot_kernel(element: Any, constants: Any) -> Any:
+    """A parallel kernel for a one-slot optimizer: the same block grid, unscale, clip, skip and
+    compute copy as :func:`adam_kernel` around ``element``. (Closures are not cached on disk:
+    compiled once per process, at first use.)"""
+
+    @numba.njit(inline="never", **_BLOCK_OPTS)
+    def block(master: Any, grad: Any, slot: Any, compute: Any, inv: Any, clip: Any, c: tuple) -> None:
+        for i in range(master.size):
+            g = load(grad, i) * inv * clip
+            p, s, _ = element(load(master, i), g, load(slot, i), np.float32(0.0), c)
+            store(master, i, p)
+            store(slot, i, s)
+            if compute is not None:
+                store(compute, i, quantize(master, p))
+
+    @numba.njit(parallel=True, nogil=True, **_BLOCK_OPTS)
+    def kernel(master: Any, grad: Any, slot: Any, compute: Any, step: Any, lr: Any, inv_scale: Any,
+               clip_coef: Any, found_inf: Any, hyper: tuple) -> None:  # pragma: no cover - compiled
+        if found_inf[0] != np.float32(0.0):
+            return
+        c = constants(step[0], lr[0], hyper)
+        inv = np.float32(inv_scale[0])
+        clip = np.float32(clip_coef[0])
+        n = master.size
+        for b in prange((n + BLOCK - 1) // BLOCK):
+            lo = b * BLOCK
+            hi = min(lo + BLOCK, n)
+            if compute is None:
+                block(master[lo:hi], grad[lo:hi], slot[lo:hi], None, inv, clip, c)
+            else:
+                block(master[lo:hi], grad[lo:hi], slot[lo:hi], compute[lo:hi], inv, clip, c)
+        step[0] += 1
+
+    return kernel
+
+
+SLOT_MATH = {"sgd": (sgd_element, sgd_constants), "lion": (lion_element, lion_constants),
+             "adagrad": (adagrad_element, adagrad_constants)}
+_SLOT_KERNELS: dict[str, Any] = {}
+
+
 @numba.njit(inline="never", **_BLOCK_OPTS)
 def _sumsq_block(x: Any) -> float:  # pragma: no cover - compiled
     """Sum of squares of one block: :data:`LANES` float64 lanes (lane ``j`` takes the elements
@@ -296,6 +338,26 @@ def fused_adam(vectors: AdamVectors, scalars: StepScalars, hyper: AdamHyper) -> 
     arrays = [None if t is None else as_numpy(t) for t in (*vectors, *scalars)]
     with torch_threads():
         adam_kernel(*arrays, *hyper)
+
+
+def fused_slot_update(kind: str, vectors: SlotVectors, scalars: StepScalars, hyper: tuple) -> None:
+    """Runs the one-slot optimizer ``kind`` on CPU tensors (see ``zfunc_kernels.fused_sgd``).
+
+    Examples:
+        >>> p, g, b, s = torch.ones(3), torch.full((3,), 2.0), torch.zeros(3), torch.tensor(0)
+        >>> one, zero = torch.tensor(1.0), torch.tensor(0.0)
+        >>> fused_slot_update("sgd", SlotVectors(p, g, b), StepScalars(s, torch.tensor(0.5), one, one, zero),
+        ...                   (0.9, 0.0, 0.0, 0.0))
+        >>> p.tolist(), b.tolist(), int(s)
+        ([0.0, 0.0, 0.0], [2.0, 2.0, 2.0], 1)
+    """
+    kernel = _SLOT_KERNELS.get(kind)
+    if kernel is None:
+        kernel = _SLOT_KERNELS[kind] = _slot_kernel(*SLOT_MATH[kind])
+    arrays = [None if t is None else as_numpy(t) for t in (*vectors, *scalars)]
+    master, grad, slot, compute, *rest = arrays
+    with torch_threads():
+        kernel(master, grad, slot, compute, *rest, tuple(float(h) for h in hyper))
 
 
 def overflow_sumsq(x: torch.Tensor, out: torch.Tensor) -> None:

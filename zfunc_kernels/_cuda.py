@@ -28,8 +28,9 @@ from numba import cuda
 from zfunc_kernels import _adapt, _shared
 from zfunc_kernels._cache import track_shared_math
 from zfunc_kernels._codec import load, quantize, store
-from zfunc_kernels._math import adam_constants, adam_element, square64
-from zfunc_kernels._records import AdamHyper, AdamVectors, StepScalars
+from zfunc_kernels._math import (adagrad_constants, adagrad_element, adam_constants, adam_element, lion_constants,
+                                 lion_element, sgd_constants, sgd_element, square64)
+from zfunc_kernels._records import AdamHyper, AdamVectors, SlotVectors, StepScalars
 
 SIM = bool(numba.config.ENABLE_CUDASIM)
 THREADS = 8 if SIM else 256
@@ -106,6 +107,33 @@ def adam_kernel(
         store(nu, i, v)
         if has_compute:
             store(compute, i, quantize(master, p))
+
+
+def _slot_kernel(element: Any, constants: Any) -> Any:
+    """A grid-stride kernel for a one-slot optimizer around ``element`` (as :func:`adam_kernel`)."""
+
+    @cuda.jit
+    def kernel(master: Any, grad: Any, slot: Any, compute: Any, has_compute: bool, step: Any, lr: Any,
+               inv_scale: Any, clip_coef: Any, found_inf: Any, hyper: tuple) -> None:  # pragma: no cover
+        if found_inf[0] != np.float32(0.0):
+            return
+        c = constants(step[0], lr[0], hyper)
+        inv = np.float32(inv_scale[0])
+        clip = np.float32(clip_coef[0])
+        for i in range(cuda.grid(1), master.size, cuda.gridsize(1)):
+            g = load(grad, i) * inv * clip
+            p, s, _ = element(load(master, i), g, load(slot, i), np.float32(0.0), c)
+            store(master, i, p)
+            store(slot, i, s)
+            if has_compute:
+                store(compute, i, quantize(master, p))
+
+    return kernel
+
+
+_SLOT_MATH = {"sgd": (sgd_element, sgd_constants), "lion": (lion_element, lion_constants),
+              "adagrad": (adagrad_element, adagrad_constants)}
+_SLOT_KERNELS: dict[str, Any] = {}
 
 
 @cuda.jit(**_JIT)
@@ -202,6 +230,24 @@ def fused_adam(vectors: AdamVectors, scalars: StepScalars, hyper: AdamHyper) -> 
     with _device(master):
         _launch(adam_kernel, _grid(master.numel()), master.device)(
             m_, g_, mu_, nu_, c_, vectors.compute is not None, step_, lr_, inv_, clip_, inf_, *hyper
+        )
+        _launch(bump_step_kernel, 1, master.device)(step_, inf_)
+
+
+def fused_slot_update(kind: str, vectors: SlotVectors, scalars: StepScalars, hyper: tuple) -> None:
+    """Queues the one-slot optimizer ``kind`` and :func:`bump_step_kernel` (see ``zfunc_kernels``)."""
+    master = vectors.master
+    _check_device(master)
+    kernel = _SLOT_KERNELS.get(kind)
+    if kernel is None:
+        kernel = _SLOT_KERNELS[kind] = _slot_kernel(*_SLOT_MATH[kind])
+    m_, g_, s_, c_ = _arrays(*vectors)
+    step_, lr_, inv_, clip_, inf_ = _arrays(*scalars)
+    if c_ is None:
+        c_ = m_[:0]
+    with _device(master):
+        _launch(kernel, _grid(master.numel()), master.device)(
+            m_, g_, s_, c_, vectors.compute is not None, step_, lr_, inv_, clip_, inf_, tuple(float(h) for h in hyper)
         )
         _launch(bump_step_kernel, 1, master.device)(step_, inf_)
 

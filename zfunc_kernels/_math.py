@@ -143,3 +143,135 @@ def square64(x: Any) -> Any:
     """
     d = np.float64(x)
     return d * d
+
+
+# --------------------------------------------------------------------------- SGD, Lion, Adagrad
+# Each optimizer is a pair: ``*_constants(step, lr, hyper) -> tuple`` (per step, float64 derived
+# like torch, cast to float32 where used) and ``*_element(p, g, s1, s2, constants) -> (p, s1, s2)``
+# (one element, float32). ``s1``/``s2`` are the optimizer's state slots; an optimizer with one
+# slot passes its second through. ``hyper`` is a tuple of float64 in the order of the
+# optimizer's record in ``zfunc_kernels._records``.
+
+
+@shared
+def sgd_constants(step: int, lr: Any, hyper: tuple) -> tuple:
+    """``(lr, momentum, 1 - dampening, weight_decay, first, nesterov)`` for :func:`sgd_element`.
+
+    Examples:
+        >>> c = sgd_constants(0, np.float32(0.1), (0.9, 0.0, 0.01, 0.0))
+        >>> [round(float(v), 4) for v in c[:4]], bool(c[4]), bool(c[5])
+        ([0.1, 0.9, 1.0, 0.01], True, False)
+    """
+    momentum, dampening, weight_decay, nesterov = hyper
+    return (np.float32(lr), np.float32(momentum), np.float32(1.0 - dampening), np.float32(weight_decay),
+            step == 0, nesterov != 0.0)
+
+
+@shared
+def sgd_element(p: Any, g: Any, b: Any, unused: Any, constants: tuple) -> tuple:
+    """One ``torch.optim.SGD`` update of one element (``b``: the momentum buffer).
+
+    .. code-block:: text
+
+        d = g + wd * p
+        b = d (first step) | b * momentum + (1 - dampening) * d      (momentum != 0)
+        d = d + momentum * b (nesterov) | b
+        p = p - lr * d
+
+    Examples:
+        >>> f = np.float32
+        >>> c = sgd_constants(1, f(0.1), (0.9, 0.0, 0.0, 0.0))
+        >>> [round(float(v), 4) for v in sgd_element(f(1.0), f(2.0), f(1.0), f(0.0), c)[:2]]
+        [0.71, 2.9]
+    """
+    lr, momentum, keep, weight_decay, first, nesterov = constants
+    d = g
+    if weight_decay != np.float32(0.0):
+        d = g + weight_decay * p
+    b_new = b
+    if momentum != np.float32(0.0):
+        if first:
+            b_new = d
+        else:
+            b_new = b * momentum + keep * d
+        if nesterov:
+            d = d + momentum * b_new
+        else:
+            d = b_new
+    return p - lr * d, b_new, unused
+
+
+@shared
+def lion_constants(step: int, lr: Any, hyper: tuple) -> tuple:
+    """``(lr, 1 - lr * wd, beta1, 1 - beta1, beta2, 1 - beta2)`` for :func:`lion_element`.
+
+    Examples:
+        >>> [round(float(v), 4) for v in lion_constants(0, np.float32(0.1), (0.9, 0.99, 0.5))]
+        [0.1, 0.95, 0.9, 0.1, 0.99, 0.01]
+    """
+    beta1, beta2, weight_decay = hyper
+    lr64 = float(lr)
+    return (np.float32(lr64), np.float32(1.0 - lr64 * weight_decay), np.float32(beta1), np.float32(1.0 - beta1),
+            np.float32(beta2), np.float32(1.0 - beta2))
+
+
+@shared
+def lion_element(p: Any, g: Any, m: Any, unused: Any, constants: tuple) -> tuple:
+    """One Lion update (Chen et al., 2023) of one element (``m``: the momentum).
+
+    .. code-block:: text
+
+        u = sign(beta1 * m + (1 - beta1) * g)
+        p = p * (1 - lr * wd) - lr * u
+        m = beta2 * m + (1 - beta2) * g
+
+    Examples:
+        >>> f = np.float32
+        >>> c = lion_constants(0, f(0.1), (0.9, 0.99, 0.0))
+        >>> [round(float(v), 4) for v in lion_element(f(1.0), f(-2.0), f(0.0), f(0.0), c)[:2]]
+        [1.1, -0.02]
+    """
+    lr, decay, beta1, one_minus_beta1, beta2, one_minus_beta2 = constants
+    c = beta1 * m + one_minus_beta1 * g
+    u = np.float32(0.0)
+    if c > np.float32(0.0):
+        u = np.float32(1.0)
+    elif c < np.float32(0.0):
+        u = np.float32(-1.0)
+    return p * decay - lr * u, beta2 * m + one_minus_beta2 * g, unused
+
+
+@shared
+def adagrad_constants(step: int, lr: Any, hyper: tuple) -> tuple:
+    """``(clr, weight_decay, eps)`` for :func:`adagrad_element`, ``clr = lr / (1 + step * lr_decay)``.
+
+    Examples:
+        >>> [round(float(v), 4) for v in adagrad_constants(2, np.float32(0.1), (0.5, 0.0, 1e-10))[:2]]
+        [0.05, 0.0]
+    """
+    lr_decay, weight_decay, eps = hyper
+    return np.float32(float(lr) / (1.0 + float(step) * lr_decay)), np.float32(weight_decay), np.float32(eps)
+
+
+@shared
+def adagrad_element(p: Any, g: Any, s: Any, unused: Any, constants: tuple) -> tuple:
+    """One ``torch.optim.Adagrad`` update of one element (``s``: the sum of squares).
+
+    .. code-block:: text
+
+        d = g + wd * p
+        s = s + d * d
+        p = p - clr * d / (sqrt(s) + eps)
+
+    Examples:
+        >>> f = np.float32
+        >>> c = adagrad_constants(0, f(0.1), (0.0, 0.0, 1e-10))
+        >>> [round(float(v), 4) for v in adagrad_element(f(1.0), f(2.0), f(0.0), f(0.0), c)[:2]]
+        [0.9, 4.0]
+    """
+    clr, weight_decay, eps = constants
+    d = g
+    if weight_decay != np.float32(0.0):
+        d = g + weight_decay * p
+    s_new = s + d * d
+    return p - clr * (d / (sqrt32(s_new) + eps)), s_new, unused

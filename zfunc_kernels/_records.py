@@ -13,7 +13,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-__all__ = ["AdamHyper", "StepScalars", "AdamVectors", "Backend"]
+__all__ = ["AdamHyper", "SGDHyper", "LionHyper", "AdagradHyper", "StepScalars", "AdamVectors", "SlotVectors",
+           "Backend"]
 
 
 class AdamHyper(NamedTuple):
@@ -31,6 +32,46 @@ class AdamHyper(NamedTuple):
     eps: float
     weight_decay: float
     decoupled: bool = True
+
+
+class SGDHyper(NamedTuple):
+    """``torch.optim.SGD``'s hyperparameters (host numbers).
+
+    Examples:
+        >>> SGDHyper(momentum=0.9).nesterov
+        False
+    """
+
+    momentum: float = 0.0
+    dampening: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+
+
+class LionHyper(NamedTuple):
+    """Lion's hyperparameters (Chen et al., 2023; host numbers).
+
+    Examples:
+        >>> LionHyper().beta2
+        0.99
+    """
+
+    beta1: float = 0.9
+    beta2: float = 0.99
+    weight_decay: float = 0.0
+
+
+class AdagradHyper(NamedTuple):
+    """``torch.optim.Adagrad``'s hyperparameters (host numbers).
+
+    Examples:
+        >>> AdagradHyper().eps
+        1e-10
+    """
+
+    lr_decay: float = 0.0
+    weight_decay: float = 0.0
+    eps: float = 1e-10
 
 
 class StepScalars(NamedTuple):
@@ -73,11 +114,29 @@ class AdamVectors(NamedTuple):
     compute: torch.Tensor | None = None
 
 
+class SlotVectors(NamedTuple):
+    """The vectors of one pass of a one-slot optimizer (SGD, Lion, Adagrad): ``master``,
+    ``slot`` (and ``compute``) are updated.
+
+    Examples:
+        >>> SlotVectors(torch.zeros(2), torch.ones(2), torch.zeros(2)).compute is None
+        True
+    """
+
+    master: torch.Tensor
+    grad: torch.Tensor
+    slot: torch.Tensor
+    compute: torch.Tensor | None = None
+
+
 class Backend(Protocol):
     """What each kernel backend module provides (arguments already checked)."""
 
     def fused_adam(self, vectors: AdamVectors, scalars: StepScalars, hyper: AdamHyper) -> None:
         """One fused unscale + clip + Adam/AdamW pass, in place."""
+
+    def fused_slot_update(self, kind: str, vectors: SlotVectors, scalars: StepScalars, hyper: tuple) -> None:
+        """One fused pass of the one-slot optimizer ``kind`` ("sgd", "lion", "adagrad"), in place."""
 
     def overflow_sumsq(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """``out[:] = [found_inf, sum(x**2)]``."""

@@ -11,10 +11,12 @@ allocates parameter-sized temporaries freely; it is for checking, not for speed.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
-from zfunc_kernels._records import AdamHyper, AdamVectors, StepScalars
+from zfunc_kernels._records import AdamHyper, AdamVectors, SlotVectors, StepScalars
 
 _F32 = torch.float32
 _F64 = torch.float64
@@ -86,3 +88,54 @@ def overflow_sumsq(x: torch.Tensor, out: torch.Tensor) -> None:
     xd = x.to(_F64)
     out[0] = (~torch.isfinite(x).all()).to(_F32)
     out[1] = (xd * xd).sum().to(_F32)
+
+
+def fused_slot_update(kind: str, vectors: SlotVectors, scalars: StepScalars, hyper: tuple) -> None:
+    """Reference one-slot optimizer pass (SGD, Lion, Adagrad), in place, in float32 torch ops.
+
+    Examples:
+        >>> p, g, b, s = torch.ones(2), torch.tensor([2.0, -2.0]), torch.zeros(2), torch.tensor(0)
+        >>> one, zero = torch.tensor(1.0), torch.tensor(0.0)
+        >>> fused_slot_update("lion", SlotVectors(p, g, b), StepScalars(s, torch.tensor(0.1), one, one, zero),
+        ...                   (0.9, 0.99, 0.0))
+        >>> [round(x, 4) for x in p.tolist()], int(s)
+        ([0.9, 1.1], 1)
+    """
+    master, grad, slot, compute = vectors
+    step, lr, inv_scale, clip_coef, found_inf = scalars
+    dev = master.device
+
+    def f32(value: Any) -> torch.Tensor:
+        return torch.as_tensor(value, dtype=_F64).to(dev).to(_F32)
+
+    skip = found_inf != 0
+    g = grad.to(_F32) * inv_scale * clip_coef
+    p, s = master.to(_F32), slot.to(_F32)
+    if kind == "sgd":
+        momentum, dampening, wd, nesterov = hyper
+        d = g + f32(wd) * p if wd else g
+        s_new = s
+        if momentum:
+            s_new = torch.where(step == 0, d, s * f32(momentum) + f32(1.0 - dampening) * d)
+            d = d + f32(momentum) * s_new if nesterov else s_new
+        p_new = p - lr.to(_F32) * d
+    elif kind == "lion":
+        beta1, beta2, wd = hyper
+        lr64 = lr.to(_F64)
+        u = torch.sign(f32(beta1) * s + f32(1.0 - beta1) * g)
+        p_new = p * (1.0 - lr64 * wd).to(_F32) - lr.to(_F32) * u
+        s_new = f32(beta2) * s + f32(1.0 - beta2) * g
+    elif kind == "adagrad":
+        lr_decay, wd, eps = hyper
+        clr = (lr.to(_F64) / (1.0 + step.to(_F64) * lr_decay)).to(_F32)
+        d = g + f32(wd) * p if wd else g
+        s_new = s + d * d
+        p_new = p - clr * (d / (torch.sqrt(s_new) + f32(eps)))
+    else:
+        raise ValueError(f"kind must be 'sgd', 'lion' or 'adagrad', got {kind!r}")
+    p_new = p_new.to(master.dtype)
+    master.copy_(torch.where(skip, master, p_new))
+    slot.copy_(torch.where(skip, slot, s_new.to(slot.dtype)))
+    if compute is not None:
+        compute.copy_(torch.where(skip, compute, p_new.to(compute.dtype)))
+    step.add_((~skip).to(step.dtype))
