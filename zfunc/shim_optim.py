@@ -109,6 +109,8 @@ def plan_groups(model: torch.nn.Module, base: Any, *, optimizer: Any = None,
                 raise ConfigError(f"{where}: {names[id(p)]!r} is in groups {seen[id(p)]} and {i}; put each "
                                   "parameter in one group")
             seen[id(p)] = i
+            if not p.requires_grad:  # frozen stays frozen (DeepSpeed keeps only trainable ones too)
+                continue
             if names[id(p)] not in chosen:
                 chosen.append(names[id(p)])
         values = {k: (tuple(g[k]) if k == "betas" else g[k]) for k in HYPER_KEYS if k in g and k in _reads(base)}
