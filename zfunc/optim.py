@@ -279,8 +279,13 @@ class ParamGroup:
         lr: this group's learning rate (``None``: the optimizer's). With an ``lr_schedule`` the
             group follows the schedule scaled by ``lr / optimizer.lr``, as torch's schedulers
             scale each group's initial lr.
-        weight_decay, betas, eps, momentum, dampening, lr_decay: as the optimizer's (``None``:
-            the optimizer's value); a value the optimizer does not read is an error at `zfunc.init`.
+        weight_decay: as the optimizer's (``None``: the optimizer's value). So are the rest; a
+            value the optimizer does not read is an error at `zfunc.init`.
+        betas: Adam's and Lion's.
+        eps: Adam's and Adagrad's.
+        momentum: SGD's.
+        dampening: SGD's.
+        lr_decay: Adagrad's.
 
     A parameter chosen by no group keeps the optimizer's hyperparameters (group 0); one chosen by
     two groups is an error.
