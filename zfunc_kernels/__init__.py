@@ -182,41 +182,42 @@ def fused_adam(
     References:
         Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019.
     """
+    h = AdamHyper(*hyper)
+    hyper = AdamHyper(float(h.beta1), float(h.beta2), float(h.eps), float(h.weight_decay), bool(h.decoupled))
+    impl, scalars = _checked(master, grad, {"mu": mu, "nu": nu}, compute, scalars, backend)
+    impl.fused_adam(AdamVectors(master, grad, mu, nu, compute), scalars, hyper)
+    _written(impl, master, mu, nu, scalars.step, compute)
+
+
+def _checked(master: torch.Tensor, grad: torch.Tensor, slots: dict[str, torch.Tensor], compute: torch.Tensor | None,
+             scalars: StepScalars, backend: str | None) -> tuple[Backend, StepScalars]:
+    """Check one pass's vectors and scalars (dtypes, lengths, device); pick the backend."""
     n, dev = master.numel(), master.device
     _check_vector("master", master, _MASTER, n, dev)
     _check_vector("grad", grad, _MASTER, n, dev)
-    _check_vector("mu", mu, _MOMENT, n, dev)
-    _check_vector("nu", nu, _MOMENT, n, dev)
+    for name, t in slots.items():
+        _check_vector(name, t, _MOMENT, n, dev)
     if compute is not None:
         _check_vector("compute", compute, _MASTER, n, dev)
     scalars = StepScalars(*scalars)
     for name, t in scalars._asdict().items():
         _check_scalar(name, t, torch.int64 if name == "step" else torch.float32, dev)
-    h = AdamHyper(*hyper)
-    hyper = AdamHyper(float(h.beta1), float(h.beta2), float(h.eps), float(h.weight_decay), bool(h.decoupled))
-    impl = _impl(_resolve(backend, master))
-    impl.fused_adam(AdamVectors(master, grad, mu, nu, compute), scalars, hyper)
-    if impl is not _reference:  # kernels write behind autograd's back: tell it, as torch ops do
-        for t in (master, mu, nu, scalars.step) if compute is None else (master, mu, nu, scalars.step, compute):
-            torch.autograd.graph.increment_version(t)
+    return _impl(_resolve(backend, master)), scalars
+
+
+def _written(impl: Backend, *tensors: torch.Tensor | None) -> None:
+    """Kernels write behind autograd's back: tell it, as torch's in-place ops do."""
+    if impl is not _reference:
+        for t in tensors:
+            if t is not None:
+                torch.autograd.graph.increment_version(t)
 
 
 def _fused_slot(kind: str, master: torch.Tensor, grad: torch.Tensor, slot: torch.Tensor, scalars: StepScalars,
                 hyper: tuple, compute: torch.Tensor | None, backend: str | None) -> None:
-    n, dev = master.numel(), master.device
-    _check_vector("master", master, _MASTER, n, dev)
-    _check_vector("grad", grad, _MASTER, n, dev)
-    _check_vector("slot", slot, _MOMENT, n, dev)
-    if compute is not None:
-        _check_vector("compute", compute, _MASTER, n, dev)
-    scalars = StepScalars(*scalars)
-    for name, t in scalars._asdict().items():
-        _check_scalar(name, t, torch.int64 if name == "step" else torch.float32, dev)
-    impl = _impl(_resolve(backend, master))
+    impl, scalars = _checked(master, grad, {"slot": slot}, compute, scalars, backend)
     impl.fused_slot_update(kind, SlotVectors(master, grad, slot, compute), scalars, tuple(float(h) for h in hyper))
-    if impl is not _reference:  # kernels write behind autograd's back: tell it, as torch ops do
-        for t in (master, slot, scalars.step) if compute is None else (master, slot, scalars.step, compute):
-            torch.autograd.graph.increment_version(t)
+    _written(impl, master, slot, scalars.step, compute)
 
 
 def fused_sgd(master: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor, scalars: StepScalars,
