@@ -11,7 +11,8 @@ Contenders (``--only`` picks a comma-separated subset):
 * ``ddp``    DistributedDataParallel + torch.optim.AdamW (fused=True where it runs, else foreach)
 * ``fsdp2``  torch.distributed.fsdp.fully_shard per block + root, + AdamW
 * ``zero0`` .. ``zero3``  zfunc ZeRO stage 0..3 (stage 3 gathers one unit per transformer block)
-* ``deepspeed``  only reported as "not installed" unless ``import deepspeed`` works (it is not run)
+* ``ds1`` .. ``ds3``  DeepSpeed's engine, ZeRO stage 1..3 (torch AdamW inside, ``torch_adam``), when
+  ``import deepspeed`` works; run this script with the DeepSpeed venv's python (recipe below)
 
 Each contender runs in a *fresh* world (`zfunc.launch` starts new processes per call), so
 ``ru_maxrss`` is that contender's own peak. Peak RSS includes the interpreter, torch and the
@@ -33,6 +34,16 @@ them alike (no RSS numbers then).
     python benchmarks/e2e.py --interleave             # robust time ratios on a busy machine
     python benchmarks/e2e.py --only zero2 --profile torch     # profile rank 0 for 2 steps
     python benchmarks/e2e.py --only ddp,zero2 --profile cprofile
+
+DeepSpeed 0.19.8 runs on this CPU machine in its own virtual environment::
+
+    python3 -m venv .venv-ds && .venv-ds/bin/pip install torch==2.13.0
+    DS_BUILD_OPS=0 .venv-ds/bin/pip install deepspeed==0.19.8 numba optree einops safetensors
+    .venv-ds/bin/pip install --no-deps -e .
+    DS_ACCELERATOR=cpu .venv-ds/bin/python benchmarks/e2e.py --interleave --only ddp,fsdp2,ds1,ds2,ds3,zero1,zero2,zero3
+
+(the ranks join the gloo world ``zfunc.launch`` made; ``deepspeed.init_distributed`` finds it). Its
+model-state bytes are those of every tensor its engine's optimizer holds, plus the module's.
 
 bf16: zfunc runs ``precision="bf16"`` (bf16 compute copy, fp32 masters, moments and gradient
 accumulator); DDP runs its forward under ``torch.autocast("cpu", torch.bfloat16)`` with fp32
@@ -65,7 +76,7 @@ SEQ = 128
 MICRO_BATCH = 8
 WORLD = 2
 LR, WD, CLIP = 1e-3, 0.01, 1.0
-CONTENDERS = ["ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3", "engine2"]
+CONTENDERS = ["ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3", "engine2", "ds1", "ds2", "ds3"]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -248,7 +259,62 @@ def _setup_engine(stage: int, precision: str):
     return step, info
 
 
+def _tensor_bytes(obj: Any, seen: dict[int, int], depth: int = 0) -> None:
+    """Unique storage bytes of the tensors reachable from ``obj`` (lists, dicts, attributes)."""
+    if depth > 4:
+        return
+    if isinstance(obj, torch.Tensor):
+        st = obj.untyped_storage()
+        seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _tensor_bytes(v, seen, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _tensor_bytes(v, seen, depth + 1)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, (torch.nn.Module, type)):
+        for v in vars(obj).values():
+            _tensor_bytes(v, seen, depth + 1)
+
+
+def _setup_deepspeed(stage: int, precision: str):
+    """DeepSpeed's own engine (ZeRO stage 1-3) in the same gloo world."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")  # the world zfunc.launch made is reused
+    model = _build_model()
+    ds = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
+          "gradient_clipping": CLIP, "zero_optimization": {"stage": stage},
+          "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "torch_adam": True}},
+          "bf16": {"enabled": precision == "bf16"}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    last = {}
+
+    def step(batch):
+        loss = lm_loss(engine, batch)
+        engine.backward(loss)
+        t_mid = time.perf_counter()
+        engine.step()
+        last["loss"] = loss.detach().float()
+        return t_mid
+
+    def info():
+        loss = last["loss"].clone()
+        dist.all_reduce(loss)
+        seen: dict[int, int] = {}
+        _tensor_bytes(engine.optimizer, seen)
+        _tensor_bytes(list(engine.module.parameters()), seen)
+        total = sum(seen.values())
+        return {"state_bytes": {"params": 0, "grads": 0, "optimizer": total, "total": total},
+                "loss": loss.item() / dist.get_world_size(),
+                "note": f"DeepSpeed {deepspeed.__version__} ZeRO-{stage}, torch AdamW; state = every tensor its "
+                        "optimizer holds + module params"}
+    return step, info
+
+
 def _setup(name: str, precision: str):
+    if name.startswith("ds"):
+        return _setup_deepspeed(int(name[2:]), precision)
     if name.startswith("engine"):
         return _setup_engine(int(name[6:]), precision)
     if name == "ddp":
@@ -425,14 +491,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     args = parse(argv)
     names = [n.strip() for n in args.only.split(",") if n.strip()]
-    bad = [n for n in names if n not in CONTENDERS + ["deepspeed"]]
+    bad = [n for n in names if n not in CONTENDERS]
     if bad:
         raise SystemExit(f"--only: unknown contender(s) {bad}; expected from {CONTENDERS}")
     try:
         import deepspeed  # noqa: F401
-        ds = f"deepspeed: installed ({deepspeed.__version__}), not benchmarked by this script"
+        ds = f"deepspeed: {deepspeed.__version__} (contenders ds1, ds2, ds3)"
     except Exception:  # noqa: BLE001
-        ds = "deepspeed: not installed"
+        ds = "deepspeed: not installed (ds1-ds3 skipped; see the module docstring for its venv)"
+        names = [n for n in names if not n.startswith("ds")]
     import zfunc_kernels
     print(f"torch {torch.__version__}, python {platform.python_version()}, {os.cpu_count()} CPUs, "
           f"{WORLD} ranks x 1 thread (gloo), zfunc {zfunc.__version__}, "
@@ -441,7 +508,6 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
           f"{args.precision}, warmup {args.warmup}, timed steps {args.steps}", flush=True)
     print(ds, flush=True)
     results: dict[str, dict[str, Any]] = {}
-    names = [n for n in names if n != "deepspeed"]
     if args.interleave and not args.profile:
         t0 = time.perf_counter()
         per_rank = zfunc.launch(run_rank_interleaved, world_size=WORLD, threads=1, timeout=3600,
