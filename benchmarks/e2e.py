@@ -281,6 +281,9 @@ def _setup_deepspeed(stage: int, precision: str):
     """DeepSpeed's own engine (ZeRO stage 1-3) in the same gloo world."""
     import deepspeed
 
+    for key, value in (("LOCAL_RANK", dist.get_rank()), ("RANK", dist.get_rank()),
+                       ("WORLD_SIZE", dist.get_world_size()), ("LOCAL_WORLD_SIZE", dist.get_world_size())):
+        os.environ.setdefault(key, str(value))  # what a launcher would set; DeepSpeed asserts on them
     deepspeed.init_distributed(dist_backend="gloo")  # the world zfunc.launch made is reused
     model = _build_model()
     ds = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -24,22 +25,50 @@ def _decay_split(model: nn.Module) -> tuple[list, list]:
     return [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
 
 
-def _torch_reference(name: str, world: int, *, schedule=None) -> nn.Module:
-    """Single-process torch.optim.AdamW with two groups, clipping, accumulation, on every rank's data."""
+class _Scaled:
+    """``compute`` with its output's cotangent multiplied in the output's dtype, as zfunc does."""
+
+    def __init__(self, compute: nn.Module, factor: float):
+        self.compute, self.factor = compute, factor
+
+    def __call__(self, *args):
+        out = self.compute(*args)
+        out.register_hook(lambda g: g * torch.tensor(self.factor, dtype=g.dtype))
+        return out
+
+
+def _torch_reference(name: str, world: int, *, schedule=None, bf16: bool = False) -> nn.Module:
+    """Single-process torch.optim.AdamW with two groups, clipping, accumulation, on every rank's data.
+
+    ``bf16``: mixed precision as zfunc's ``precision="bf16"`` defines it, written in plain torch:
+    fp32 master weights (the optimizer's), a bf16 copy for forward and backward, the
+    ``1 / (world * grad_accum)`` factor on the output's cotangent, gradients summed in fp32.
+    """
     make, loss_fn, batch_fn = MODELS[name]
     torch.manual_seed(0)
     model = make()
     decay, nodecay = _decay_split(model)
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": nodecay, "weight_decay": 0.0}],
                             lr=1e-2, betas=(0.9, 0.95))
+    trained = [p for p in model.parameters() if p.requires_grad]
     for i in range(STEPS):
         for g in opt.param_groups:
             g["lr"] = _lr(i) if schedule is None else schedule(i)
         opt.zero_grad()
+        compute = copy.deepcopy(model).to(torch.bfloat16) if bf16 else None
+        for p in trained:
+            p.grad = torch.zeros_like(p)
         for r in range(world):
             for mb in split(batch_fn(i, r, MICRO * GA), GA):
-                (loss_fn(model, mb) / (world * GA)).backward()
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+                if bf16:
+                    compute.zero_grad(set_to_none=True)
+                    loss_fn(_Scaled(compute, 1.0 / (world * GA)), mb).backward()
+                    for p, c in zip(model.parameters(), compute.parameters()):
+                        if p.requires_grad:
+                            p.grad += c.grad.float()
+                else:
+                    (loss_fn(model, mb) / (world * GA)).backward()
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
         opt.step()
     return model
 
@@ -49,10 +78,10 @@ def _diff(params: dict[str, torch.Tensor], ref: nn.Module) -> float:
     return max((params[n].float() - named[n].detach()).abs().max().item() for n in params)
 
 
-def _functional_nanogpt(rank: int, name: str, stage: int) -> float:
+def _functional_nanogpt(rank: int, name: str, stage: int, precision: str = "fp32") -> float:
     make, loss_fn, batch_fn = MODELS[name]
     torch.manual_seed(0)
-    cfg = zfunc.Config(stage=stage, grad_accum=GA, clip=1.0, persist_threshold=0,
+    cfg = zfunc.Config(stage=stage, grad_accum=GA, clip=1.0, persist_threshold=0, precision=precision,
                        optimizer=zfunc.adamw(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1),
                        param_groups=[zfunc.ParamGroup(lambda n, p: p.dim() < 2, weight_decay=0.0)])
     state = zfunc.init(make(), cfg)
@@ -61,7 +90,7 @@ def _functional_nanogpt(rank: int, name: str, stage: int) -> float:
         for g in range(state.hyper.lr.numel()):
             state = zfunc.set_hyperparams(state, g, lr=_lr(i))
         state = step(state, batch_fn(i, rank, MICRO * GA))
-    ref = _torch_reference(name, zfunc.comm.world().size)
+    ref = _torch_reference(name, zfunc.comm.world().size, bf16=precision == "bf16")
     return _diff(zfunc.full_params(state), ref)
 
 
@@ -96,7 +125,7 @@ def test_nanogpt_loop_matches_torch(world, stage):
         assert d < 1e-6, ("engine", d)
 
 
-def _hf_loop(rank: int, stage: int) -> float:
+def _hf_loop(rank: int, stage: int, precision: str = "fp32") -> float:
     make, loss_fn, batch_fn = MODELS["gpt"]
     world = zfunc.comm.world().size
     torch.manual_seed(0)
@@ -106,7 +135,8 @@ def _hf_loop(rank: int, stage: int) -> float:
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "weight_decay": 0.3}},
           "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 6, "warmup_num_steps": 2,
                                                             "warmup_min_lr": 0.0, "warmup_type": "linear"}},
-          "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+          "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+          "bf16": {"enabled": precision == "bf16"}}
     engine, optimizer, _, scheduler = zfunc.initialize(
         model=model, config=ds,
         model_parameters=[{"params": decay, "weight_decay": 0.1}, {"params": nodecay, "weight_decay": 0.0}])
@@ -117,7 +147,7 @@ def _hf_loop(rank: int, stage: int) -> float:
             engine.step()
     # DeepSpeed's WarmupDecayLR: update u uses the formula at max(u - 1, 0).
     formula = zfunc.schedules.warmup_decay_lr(6, 0.0, 1e-2, 2, "linear")
-    ref = _torch_reference("gpt", world, schedule=lambda u: formula(max(u - 1, 0)).item())
+    ref = _torch_reference("gpt", world, schedule=lambda u: formula(max(u - 1, 0)).item(), bf16=precision == "bf16")
     assert optimizer.param_groups[0]["lr"] == pytest.approx(formula(STEPS - 1).item())
     return _diff(zfunc.full_params(engine.state), ref)
 
@@ -127,6 +157,16 @@ def test_hugging_face_style_loop_matches_torch(world):
     for stage in (0, 1, 2, 3):
         for d in run_ranks(_hf_loop, world, stage):
             assert d < 1e-6, (stage, d)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_bf16_loops_match_torch_mixed_precision(world):
+    """bf16 compute copy, fp32 masters and gradients, against the same recipe in plain torch."""
+    for stage in (0, 1, 2, 3):
+        for d in run_ranks(_functional_nanogpt, world, "gpt", stage, "bf16"):
+            assert d < 1e-6, ("nanoGPT", stage, d)
+        for d in run_ranks(_hf_loop, world, stage, "bf16"):
+            assert d < 1e-6, ("Hugging Face", stage, d)
 
 
 def test_bf16_groups_train_like_torch_autocast():
