@@ -43,7 +43,8 @@ DeepSpeed 0.19.8 runs on this CPU machine in its own virtual environment::
     DS_ACCELERATOR=cpu .venv-ds/bin/python benchmarks/e2e.py --interleave --only ddp,fsdp2,ds1,ds2,ds3,zero1,zero2,zero3
 
 (the ranks join the gloo world ``zfunc.launch`` made; ``deepspeed.init_distributed`` finds it). Its
-model-state bytes are those of every tensor its engine's optimizer holds, plus the module's.
+model-state bytes are those of every tensor its engine's optimizer holds (its communication buckets,
+at DeepSpeed's default sizes, included), plus the module's parameters and gradients.
 
 bf16: zfunc runs ``precision="bf16"`` (bf16 compute copy, fp32 masters, moments and gradient
 accumulator); DDP runs its forward under ``torch.autocast("cpu", torch.bfloat16)`` with fp32
@@ -306,12 +307,13 @@ def _setup_deepspeed(stage: int, precision: str):
         dist.all_reduce(loss)
         seen: dict[int, int] = {}
         _tensor_bytes(engine.optimizer, seen)
-        _tensor_bytes(list(engine.module.parameters()), seen)
+        _tensor_bytes([t for p in engine.module.parameters() for t in (p, p.grad) if t is not None], seen)
         total = sum(seen.values())
         return {"state_bytes": {"params": 0, "grads": 0, "optimizer": total, "total": total},
                 "loss": loss.item() / dist.get_world_size(),
                 "note": f"DeepSpeed {deepspeed.__version__} ZeRO-{stage}, torch AdamW; state = every tensor its "
-                        "optimizer holds + module params"}
+                        "optimizer holds (communication buckets at their default sizes included) + module params "
+                        "and grads"}
     return step, info
 
 
