@@ -17,8 +17,29 @@ __all__ = ["AdamConfig", "SGDConfig", "LionConfig", "AdagradConfig", "OPTIMIZERS
            "adagrad", "ParamGroup", "assign_groups"]
 
 
+class _Optimizer:
+    """What every optimizer record shares: its per-group values and its fused pass.
+
+    A record names ``slots`` (its state per element), ``live`` (the per-group hyperparameters,
+    `zfunc.GroupHyper`'s names), ``state_class``, ``hyper`` (the kernel's hyperparameter record)
+    and ``kernel`` (the fused pass in `zfunc_kernels`).
+    """
+
+    def values(self) -> dict[str, float]:
+        """The per-group hyperparameters this optimizer reads, as `zfunc.GroupHyper` names them."""
+        return {n: float(self.betas[int(n[-1]) - 1]) if n.startswith("beta") else float(getattr(self, n))
+                for n in self.live}
+
+    def fused(self, master: torch.Tensor, grad: torch.Tensor, slots: list[torch.Tensor],
+              scalars: zfunc_kernels.StepScalars, row: dict[str, float], compute: torch.Tensor | None) -> None:
+        """One fused pass over a run of one parameter group (``row``: its hyperparameters; the
+        record's own fields fill in what is not per group, e.g. ``nesterov``, ``decoupled``)."""
+        hyper = self.hyper(**{f: row[f] if f in row else getattr(self, f) for f in self.hyper._fields})
+        self.kernel(master, grad, *slots, scalars, hyper, compute=compute)
+
+
 @dataclasses.dataclass(frozen=True)
-class AdamConfig:
+class AdamConfig(_Optimizer):
     """Hyperparameters of Adam/AdamW with torch's names and defaults.
 
     ``decoupled=True`` is AdamW (``p -= lr * wd * p``); ``False`` is Adam with L2 regularisation
@@ -40,19 +61,11 @@ class AdamConfig:
     slots = ("mu", "nu")
     live = ("lr", "weight_decay", "beta1", "beta2", "eps")
     state_class = AdamState
+    hyper = zfunc_kernels.AdamHyper
+    kernel = staticmethod(zfunc_kernels.fused_adam)
     slot_init = 0.0
 
-    def values(self) -> dict[str, float]:
-        """The per-group hyperparameters this optimizer reads, as `zfunc.GroupHyper` names them."""
-        return {"lr": self.lr, "weight_decay": self.weight_decay, "beta1": self.betas[0], "beta2": self.betas[1],
-                "eps": self.eps}
 
-    def fused(self, master: torch.Tensor, grad: torch.Tensor, slots: list[torch.Tensor],
-              scalars: zfunc_kernels.StepScalars, row: dict[str, float], compute: torch.Tensor | None) -> None:
-        """One fused pass over a run of one parameter group (``row``: its hyperparameters)."""
-        hyper = zfunc_kernels.AdamHyper(beta1=row["beta1"], beta2=row["beta2"], eps=row["eps"],
-                                        weight_decay=row["weight_decay"], decoupled=self.decoupled)
-        zfunc_kernels.fused_adam(master, grad, *slots, scalars, hyper, compute=compute)
 
     def __post_init__(self) -> None:
         check(is_finite_number(self.lr) and self.lr >= 0, "optimizer.lr", "a finite number >= 0", self.lr)
@@ -72,7 +85,7 @@ def _check_common(lr: float, weight_decay: float) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class SGDConfig:
+class SGDConfig(_Optimizer):
     """``torch.optim.SGD``'s hyperparameters with torch's names and defaults (`zfunc.sgd`).
 
     Examples:
@@ -91,6 +104,8 @@ class SGDConfig:
     slots = ("momentum_buffer",)
     live = ("lr", "weight_decay", "momentum", "dampening")
     state_class = SGDState
+    hyper = zfunc_kernels.SGDHyper
+    kernel = staticmethod(zfunc_kernels.fused_sgd)
     slot_init = 0.0
 
     def __post_init__(self) -> None:
@@ -102,21 +117,11 @@ class SGDConfig:
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise ConfigError("optimizer.nesterov: needs momentum > 0 and dampening 0 (as torch.optim.SGD)")
 
-    def values(self) -> dict[str, float]:
-        """The per-group hyperparameters this optimizer reads."""
-        return {"lr": self.lr, "weight_decay": self.weight_decay, "momentum": self.momentum,
-                "dampening": self.dampening}
 
-    def fused(self, master: torch.Tensor, grad: torch.Tensor, slots: list[torch.Tensor],
-              scalars: zfunc_kernels.StepScalars, row: dict[str, float], compute: torch.Tensor | None) -> None:
-        """One fused pass over a run of one parameter group."""
-        hyper = zfunc_kernels.SGDHyper(momentum=row["momentum"], dampening=row["dampening"],
-                                       weight_decay=row["weight_decay"], nesterov=self.nesterov)
-        zfunc_kernels.fused_sgd(master, grad, *slots, scalars, hyper, compute=compute)
 
 
 @dataclasses.dataclass(frozen=True)
-class LionConfig:
+class LionConfig(_Optimizer):
     """Lion's hyperparameters (Chen et al., 2023), decoupled weight decay (`zfunc.lion`).
 
     Examples:
@@ -133,6 +138,8 @@ class LionConfig:
     slots = ("mu",)
     live = ("lr", "weight_decay", "beta1", "beta2")
     state_class = LionState
+    hyper = zfunc_kernels.LionHyper
+    kernel = staticmethod(zfunc_kernels.fused_lion)
     slot_init = 0.0
 
     def __post_init__(self) -> None:
@@ -142,19 +149,11 @@ class LionConfig:
               "optimizer.betas", "two numbers in [0, 1]", b)
         object.__setattr__(self, "betas", (float(b[0]), float(b[1])))
 
-    def values(self) -> dict[str, float]:
-        """The per-group hyperparameters this optimizer reads."""
-        return {"lr": self.lr, "weight_decay": self.weight_decay, "beta1": self.betas[0], "beta2": self.betas[1]}
 
-    def fused(self, master: torch.Tensor, grad: torch.Tensor, slots: list[torch.Tensor],
-              scalars: zfunc_kernels.StepScalars, row: dict[str, float], compute: torch.Tensor | None) -> None:
-        """One fused pass over a run of one parameter group."""
-        hyper = zfunc_kernels.LionHyper(beta1=row["beta1"], beta2=row["beta2"], weight_decay=row["weight_decay"])
-        zfunc_kernels.fused_lion(master, grad, *slots, scalars, hyper, compute=compute)
 
 
 @dataclasses.dataclass(frozen=True)
-class AdagradConfig:
+class AdagradConfig(_Optimizer):
     """``torch.optim.Adagrad``'s hyperparameters with torch's names and defaults (`zfunc.adagrad`).
 
     Examples:
@@ -173,6 +172,8 @@ class AdagradConfig:
     slots = ("sum",)
     live = ("lr", "weight_decay", "lr_decay", "eps")
     state_class = AdagradState
+    hyper = zfunc_kernels.AdagradHyper
+    kernel = staticmethod(zfunc_kernels.fused_adagrad)
 
     def __post_init__(self) -> None:
         _check_common(self.lr, self.weight_decay)
@@ -184,15 +185,7 @@ class AdagradConfig:
     def slot_init(self) -> float:
         return float(self.initial_accumulator_value)
 
-    def values(self) -> dict[str, float]:
-        """The per-group hyperparameters this optimizer reads."""
-        return {"lr": self.lr, "weight_decay": self.weight_decay, "lr_decay": self.lr_decay, "eps": self.eps}
 
-    def fused(self, master: torch.Tensor, grad: torch.Tensor, slots: list[torch.Tensor],
-              scalars: zfunc_kernels.StepScalars, row: dict[str, float], compute: torch.Tensor | None) -> None:
-        """One fused pass over a run of one parameter group."""
-        hyper = zfunc_kernels.AdagradHyper(lr_decay=row["lr_decay"], weight_decay=row["weight_decay"], eps=row["eps"])
-        zfunc_kernels.fused_adagrad(master, grad, *slots, scalars, hyper, compute=compute)
 
 
 OPTIMIZERS = (AdamConfig, SGDConfig, LionConfig, AdagradConfig)
