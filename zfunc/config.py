@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from zfunc.deepspeed_config import translate
-from zfunc.errors import ConfigError, check, is_finite_number, is_number, is_positive_int
+from zfunc.errors import ConfigError, check, is_finite_number, is_positive_int
 from zfunc.optim import OPTIMIZERS, AdamConfig, ParamGroup, adam, adamw
 from zfunc.scaler import FLOAT32_MAX, DynamicLossScale
 
