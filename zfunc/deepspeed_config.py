@@ -44,7 +44,7 @@ _ZERO_HANDLED = {"stage", "stage3_param_persistence_threshold"}
 _SECTION_KEYS = {
     "fp16": {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
              "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_gradients",
-             "fp16_master_weights_and_grads"},
+             "fp16_master_weights_and_grads", "auto_cast"},  # auto_cast: zfunc casts floating inputs to fp16 anyway
     "bf16": {"enabled", "bf16_master_weights_and_grads", "bf16_optimizer_states", "check_grad_overflow",
              "immediate_grad_update"},
     "torch_autocast": {"enabled", "dtype"},
@@ -54,7 +54,8 @@ _ZERO_HARMLESS = {"contiguous_gradients", "reduce_scatter", "reduce_bucket_size"
                   "overlap_comm", "allgather_partitions", "round_robin_gradients", "sub_group_size",
                   "ignore_unused_parameters", "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
                   "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
-                  "stage3_model_persistence_threshold"}
+                  "stage3_model_persistence_threshold", "load_from_fp32_weights", "elastic_checkpoint",
+                  "use_multi_rank_bucket_allreduce", "memory_efficient_linear"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,8 +153,10 @@ def _refuse_unknown(ds: Mapping[str, Any]) -> None:
         if device not in ("none", None):
             raise _err(f"zero_optimization.{key}.device", '"none": zfunc does not offload yet; remove the key '
                        "(or set device none) and use a larger world or stage 3 to fit the model", device)
+    if zero.get("cpu_offload") not in (None, False):
+        raise _err("zero_optimization.cpu_offload", "false: zfunc does not offload yet; remove the key", zero["cpu_offload"])
     for key in zero:
-        if key not in _ZERO_HANDLED | _ZERO_HARMLESS | {"offload_optimizer", "offload_param"}:
+        if key not in _ZERO_HANDLED | _ZERO_HARMLESS | {"offload_optimizer", "offload_param", "cpu_offload"}:
             raise ConfigError(f"zero_optimization.{key}: zfunc does not implement this key (or it is misspelt); "
                               "remove it")
     for name, keys in _SECTION_KEYS.items():
@@ -161,7 +164,7 @@ def _refuse_unknown(ds: Mapping[str, Any]) -> None:
         for key in sec:
             if key not in keys:
                 raise ConfigError(f"{name}.{key}: zfunc does not implement this key (or it is misspelt); remove it")
-        for key in ("enabled", "consecutive_hysteresis", "fp16_master_weights_and_grads",
+        for key in ("enabled", "consecutive_hysteresis", "fp16_master_weights_and_grads", "auto_cast",
                     "fp16_master_weights_and_gradients", "bf16_master_weights_and_grads", "bf16_optimizer_states",
                     "check_grad_overflow", "immediate_grad_update"):
             if key in sec and not isinstance(sec[key], bool):
