@@ -177,6 +177,15 @@ def test_training_matches_the_reference(kind):
             assert d < tol, (kind, world, stage, ga, d)
 
 
+def _sgd_two_groups(model: nn.Module) -> torch.optim.SGD:
+    """torch SGD with weight decay on three matrices only (a second group without it)."""
+    decay = ("inp.weight", "a.weight", "out.weight")
+    named = dict(model.named_parameters())
+    rest = [p for n, p in named.items() if p.requires_grad and n not in decay]
+    return torch.optim.SGD([{"params": [named[n] for n in decay]}, {"params": rest, "weight_decay": 0.0}],
+                           lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01)
+
+
 def _shim(rank: int, stage: int) -> tuple[float, float]:
     make, loss_fn, batch_fn = MODELS["zoo"]
     world = zfunc.comm.world().size
@@ -187,10 +196,7 @@ def _shim(rank: int, stage: int) -> tuple[float, float]:
         torch.manual_seed(0)
         model = make()
         if how == "torch":
-            opt = torch.optim.SGD([{"params": [model.inp.weight, model.a.weight, model.out.weight]},
-                                   {"params": [p for n, p in model.named_parameters() if p.requires_grad and
-                                               n not in ("inp.weight", "a.weight", "out.weight")],
-                                    "weight_decay": 0.0}], lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01)
+            opt = _sgd_two_groups(model)
             engine, *_ = zfunc.initialize(model=model, optimizer=opt, config=ds)
         else:
             engine, *_ = zfunc.initialize(model=model, model_parameters=model.parameters(), config={
@@ -202,10 +208,7 @@ def _shim(rank: int, stage: int) -> tuple[float, float]:
         torch.manual_seed(0)
         ref = make()
         if how == "torch":
-            ref_opt = torch.optim.SGD([{"params": [ref.inp.weight, ref.a.weight, ref.out.weight]},
-                                       {"params": [p for n, p in ref.named_parameters() if p.requires_grad and
-                                                   n not in ("inp.weight", "a.weight", "out.weight")],
-                                        "weight_decay": 0.0}], lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01)
+            ref_opt = _sgd_two_groups(ref)
         else:
             ref_opt = _torch_optimizer("adagrad", [p for p in ref.parameters() if p.requires_grad])
         for i in range(3):

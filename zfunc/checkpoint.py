@@ -67,15 +67,20 @@ def _overlaps(unit: Unit, lo: int, hi: int) -> list[tuple[str, int, int, int]]:
     return out
 
 
+_RECORDS = ("scaler", "metrics", "hyper")  # state records stored leaf by leaf among the scalars
+
+
+def _key(record: str, path: tuple) -> str:
+    return record + "/" + "/".join(map(str, path))
+
+
 def _scalars(state: TrainState) -> dict[str, torch.Tensor]:
     picked = {"step": state.step, "micro_step": state.micro_step, "loss_sum": state.loss_sum,
               "count": state.opt.count}
-    for path, leaf in zip(tree.paths(state.scaler), tree.leaves(state.scaler)):
-        picked["scaler/" + "/".join(map(str, path))] = leaf
-    for path, leaf in zip(tree.paths(state.metrics), tree.leaves(state.metrics)):
-        picked["metrics/" + "/".join(map(str, path))] = leaf
-    for path, leaf in zip(tree.paths(state.hyper), tree.leaves(state.hyper)):
-        picked["hyper/" + "/".join(map(str, path))] = leaf
+    for record in _RECORDS:
+        value = getattr(state, record)
+        for path, leaf in zip(tree.paths(value), tree.leaves(value)):
+            picked[_key(record, path)] = leaf
     return {f"s/{k}": v.detach().cpu().clone() for k, v in picked.items()}
 
 
@@ -364,17 +369,14 @@ def _assemble(like: TrainState, roles: dict[str, torch.Tensor], s: dict[str, tor
         compute = full.to(cfg.compute_dtype)
         if compute.dtype == master.dtype:
             master = master_view(compute, lay, like.stage)
-    scaler = tree.unflatten(tree.structure(like.scaler),
-                            [s["scaler/" + "/".join(map(str, p))] for p in tree.paths(like.scaler)])
-    metrics = tree.unflatten(tree.structure(like.metrics),
-                             [s["metrics/" + "/".join(map(str, p))] for p in tree.paths(like.metrics)])
-    hyper = tree.unflatten(tree.structure(like.hyper),  # on the host, as in every state
-                           [s["hyper/" + "/".join(map(str, p))].cpu() for p in tree.paths(like.hyper)])
+    records = {r: tree.unflatten(tree.structure(getattr(like, r)),
+                                 [s[_key(r, p)] for p in tree.paths(getattr(like, r))]) for r in _RECORDS}
+    records["hyper"] = tree.map(lambda t: t.cpu(), records["hyper"])  # on the host, as in every state
     if rng is not None:
         torch.set_rng_state(rng)
     return like.replace(params=master, compute=compute, grads=torch.zeros_like(like.grads),
                         opt=cfg.optimizer.state_class(**{n: roles[n] for n in cfg.optimizer.slots}, count=s["count"]),
-                        hyper=hyper, scaler=scaler, metrics=metrics, step=s["step"], micro_step=s["micro_step"],
+                        **records, step=s["step"], micro_step=s["micro_step"],
                         loss_sum=s["loss_sum"], frozen={n: frozen[n] for n in like.frozen},
                         buffers={n: frozen[n] for n in like.buffers})
 

@@ -7,6 +7,8 @@ module to the layout (`zfunc.binding.ModuleBinding`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from zfunc import comm
@@ -17,8 +19,9 @@ from zfunc.layout import make_layout, master_view
 from zfunc.optim import assign_groups
 from zfunc.scaler import scaler_init
 from zfunc.state import GroupHyper, Metrics, TrainState
+from zfunc.update import learning_rate
 
-__all__ = ["init", "full_params", "gather_by_name", "units_of", "group_hyper", "trainable_params", "HYPER_FIELDS"]
+__all__ = ["init", "full_params", "gather_by_name", "units_of", "group_hyper", "trainable_params"]
 
 
 def trainable_params(model: torch.nn.Module, cfg: Config) -> dict[str, torch.Tensor]:
@@ -112,9 +115,6 @@ def units_of(model: torch.nn.Module, cfg: Config,
     return list(groups.values()), list(groups)
 
 
-HYPER_FIELDS = ("lr", "weight_decay", "beta1", "beta2", "eps", "momentum", "dampening", "lr_decay")
-
-
 def group_hyper(cfg: Config) -> GroupHyper:
     """The hyperparameters of the optimizer (group 0) and of each `zfunc.ParamGroup`, on the host.
 
@@ -136,8 +136,8 @@ def group_hyper(cfg: Config) -> GroupHyper:
             raise ConfigError(f"param_groups[{i}]: {opt.name} does not read {extra} (it reads "
                               f"{', '.join(opt.live)}); remove them from the group")
         rows.append({**rows[0], **given})
-    return GroupHyper(**{f: torch.tensor([float(r.get(f, 0.0)) for r in rows], dtype=torch.float64)
-                         for f in HYPER_FIELDS})
+    return GroupHyper(**{f.name: torch.tensor([float(r.get(f.name, 0.0)) for r in rows], dtype=torch.float64)
+                         for f in dataclasses.fields(GroupHyper)})
 
 
 def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *,
@@ -217,22 +217,19 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
         return torch.tensor(v, dtype=dtype, device=device)
 
     scaler = scaler_init(cfg, device)
-    hyper = group_hyper(cfg)
-    lr0 = hyper.lr[layout.groups[0]].item()
-    if cfg.lr_schedule is not None:
-        lr0 = float(cfg.lr_schedule(0)) * (lr0 / cfg.optimizer.lr if cfg.optimizer.lr > 0 else 1.0)
     binding = ModuleBinding(model, layout, cfg.stage)
     if donate:
         binding.donate()
-    return TrainState(
+    state = TrainState(
         params=params, compute=compute,
         grads=torch.zeros(grads_numel, dtype=cfg.grad_accum_dtype, device=device),
-        opt=opt.state_class(**slots, count=scalar(0, torch.int64)), hyper=hyper,
+        opt=opt.state_class(**slots, count=scalar(0, torch.int64)), hyper=group_hyper(cfg),
         scaler=scaler, step=scalar(0, torch.int64), micro_step=torch.zeros((), dtype=torch.int64),
         loss_sum=scalar(0.0),
         metrics=Metrics(loss=scalar(float("nan")), grad_norm=scalar(0.0), loss_scale=scaler.scale.clone(),
-                        skipped=scalar(0.0), lr=torch.as_tensor(lr0, dtype=torch.float32).to(device)),
+                        skipped=scalar(0.0), lr=scalar(float("nan"))),
         frozen=frozen, buffers=buffers, binding=binding, cfg=cfg, layout=layout, group=group)
+    return state.replace(metrics=dataclasses.replace(state.metrics, lr=learning_rate(state)))  # step 0 uses it
 
 
 def full_params(state: TrainState) -> dict[str, torch.Tensor]:

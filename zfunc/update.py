@@ -17,12 +17,13 @@ Nothing here reads a device value on the host.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 import zfunc_kernels
 from zfunc import comm
 from zfunc.layout import master_view
-from zfunc.create import HYPER_FIELDS
 from zfunc.scaler import scaler_update
 from zfunc.state import GroupHyper, Metrics, TrainState
 
@@ -104,7 +105,7 @@ def set_hyperparams(state: TrainState, group: int = 0, **values: float | tuple[f
         fields["betas"] = (fields.pop("beta1"), fields.pop("beta2"))
     type(opt)(**fields)  # the same checks as the optimizer's own values
     new = {}
-    for name in HYPER_FIELDS:
+    for name in (f.name for f in dataclasses.fields(h)):
         t = getattr(h, name)
         if name in changes:
             t = t.clone()
