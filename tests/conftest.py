@@ -9,7 +9,7 @@ import pytest  # noqa: E402
 
 from tests.helpers import close_worlds  # noqa: E402
 
-collect_ignore = ["elastic_job.py"]  # a script torchrun runs, not a test module
+collect_ignore = ["elastic_job.py", "multinode_job.py"]  # scripts torchrun runs, not test modules
 
 
 @pytest.fixture(scope="session", autouse=True)

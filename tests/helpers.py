@@ -128,6 +128,43 @@ def zfunc_run(rank: int, name: str, steps: int, cfg: zfunc.Config, micro: int = 
     return state, norms
 
 
+def autocast_losses(rank: int, cfg: zfunc.Config, steps: int = 5) -> tuple[list[float], list[float]]:
+    """zfunc's step losses on the tiny GPT under ``cfg`` (autocast, grad_accum 2, AdamW lr 1e-2),
+    and single-process torch's: autocast forward, ``GradScaler`` at 2**16 when fp16, clipping
+    as ``cfg.clip``, every rank's micro-batches (4 samples per rank and step)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    make, loss_fn, batch_fn = MODELS["gpt"]
+    fp16 = cfg.autocast == torch.float16
+    torch.manual_seed(0)
+    state = zfunc.init(make(), cfg)
+    step = zfunc.train_step(loss_fn)
+    torch.manual_seed(0)
+    ref = make()
+    opt = torch.optim.AdamW(ref.parameters(), lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2000, enabled=fp16)
+    ours, theirs = [], []
+    for i in range(steps):
+        state = step(state, batch_fn(i, rank, 4))
+        ours.append(state.metrics.loss.item())
+        opt.zero_grad()
+        total = 0.0
+        for r in range(world):
+            for mb in split(batch_fn(i, r, 4), cfg.grad_accum):
+                with torch.autocast("cpu", dtype=cfg.autocast):
+                    loss = loss_fn(ref, mb) / (cfg.grad_accum * world)
+                scaler.scale(loss).backward()
+                total += loss.item()
+        if cfg.clip:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg.clip)
+        scaler.step(opt)
+        scaler.update()
+        theirs.append(total)
+    return ours, theirs
+
+
 def max_param_diff(state: zfunc.TrainState, model: nn.Module) -> float:
     full = zfunc.full_params(state)
     ref = dict(model.named_parameters())

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import zfunc
-from tests.helpers import MODELS, bitwise_equal, run_ranks, snapshot, split
+from tests.helpers import MODELS, autocast_losses, bitwise_equal, run_ranks, snapshot
 
 
 def _inject(rank: int, stage: int, precision: str, bad: float) -> dict:
@@ -45,36 +45,10 @@ def test_overflow_on_one_rank_skips_everywhere(world, stage, precision, bad):
 
 
 def _autocast(rank: int, stage: int, dtype: torch.dtype) -> tuple[list[float], list[float]]:
-    import torch.distributed as dist
-
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    make, loss_fn, batch_fn = MODELS["gpt"]
     fp16 = dtype == torch.float16
-    cfg = zfunc.Config(stage=stage, autocast=dtype, grad_accum=2, optimizer=zfunc.adamw(lr=1e-2),
-                       loss_scale=zfunc.DynamicLossScale(init=2.0**16, window=2000) if fp16 else None)
-    torch.manual_seed(0)
-    state = zfunc.init(make(), cfg)
-    step = zfunc.train_step(loss_fn)
-    torch.manual_seed(0)
-    ref = make()
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2000, enabled=fp16)
-    ours, theirs = [], []
-    for i in range(5):
-        state = step(state, batch_fn(i, rank, 4))
-        ours.append(state.metrics.loss.item())
-        opt.zero_grad()
-        total = 0.0
-        for r in range(world):
-            for mb in split(batch_fn(i, r, 4), 2):
-                with torch.autocast("cpu", dtype=dtype):
-                    loss = loss_fn(ref, mb) / (2 * world)
-                scaler.scale(loss).backward()
-                total += loss.item()
-        scaler.step(opt)
-        scaler.update()
-        theirs.append(total)
-    return ours, theirs
+    return autocast_losses(rank, zfunc.Config(
+        stage=stage, autocast=dtype, grad_accum=2, optimizer=zfunc.adamw(lr=1e-2),
+        loss_scale=zfunc.DynamicLossScale(init=2.0**16, window=2000) if fp16 else None))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])

@@ -267,7 +267,7 @@ def accumulate(state: TrainState, grads: dict[str, torch.Tensor], *, loss: torch
                                  f"expected {list(s.shape)}")
         flat = lay.flatten_unit(unit, grads, cfg.reduce_dtype, state.device).mul_(factor.to(cfg.reduce_dtype))
         if state.stage >= 2:
-            flat = comm.reduce_scatter(flat, "sum", state.group)
+            flat = comm.reduce_scatter(flat, "sum", state.mesh.shard)
         unit_grads.append(flat.to(cfg.grad_accum_dtype))
     grads = state.grads if donate else state.grads.clone()
     for part, g in zip(grad_views(state, grads), unit_grads):

@@ -261,7 +261,7 @@ class BoundModel:
             binding._latest = weakref.ref(gatherer)
         else:
             (unit,) = lay.units
-            full = comm.unit_params(self.sinks[0], None, state.compute, state.group, cfg.reduce_dtype,
+            full = comm.unit_params(self.sinks[0], None, state.compute, state.mesh.shard, cfg.reduce_dtype,
                                     state.stage == 2)
             tensors.update(lay.views(unit, full))
             contexts = []

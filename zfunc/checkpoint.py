@@ -134,7 +134,7 @@ def save(state: TrainState, path: str | os.PathLike, *, extra: dict[str, Any] | 
             dcp.save(sd, checkpoint_id=tmp, **_dcp_kwargs(group))
         crcs = comm.all_gather_object(crc, group)
         if group.rank == 0:
-            meta = {"format": _FORMAT, "world": group.size, "stage": state.stage,
+            meta = {"format": _FORMAT, "world": group.size, "shard_size": state.mesh.shard.size, "stage": state.stage,
                     "params": {s.name: list(s.shape) for u in state.layout.units for s in u.slots},
                     "master_dtype": str(state.params.dtype), "moment_dtype": str(_slots(state)[0].dtype),
                     "optimizer": state.cfg.optimizer.name,
@@ -161,7 +161,7 @@ def _pieces(state: TrainState) -> dict[str, torch.Tensor]:
     """This rank's pieces: its owned slices of every parameter, its RNG; rank 0 also the
     replicated tensors (scalars, frozen parameters, buffers), so they are rank 0's values."""
     group, sd = state.group, {}
-    for unit in state.layout.units:
+    for unit in state.layout.units if state.mesh.replicas.rank == 0 else ():  # one copy of each shard
         lo, hi = state.layout.owned(unit)
         for role, t in zip(_roles(state), (state.params, *_slots(state))):
             owned = _owned(state.stage, state.layout, t, unit)
@@ -346,11 +346,11 @@ def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True)
                 a, b = max(start, s), min(start + n, s + want[key].numel())
                 if a < b:
                     dst.narrow(0, a - start, b - a).copy_(want[key].narrow(0, a - s, b - a))
-    if like.stage == 0 and group.size > 1:  # every rank holds all of it: share the owned slices
+    if like.stage == 0 and like.mesh.shard.size > 1:  # every rank holds all of it: share the owned slices
         for role in _roles(like):
             for unit in lay.units:
                 lo, hi = lay.owned(unit)
-                full = comm.all_gather(roles[role].narrow(0, lo, hi - lo), group)
+                full = comm.all_gather(roles[role].narrow(0, lo, hi - lo), like.mesh.shard)
                 roles[role].narrow(0, 0, unit.padded).copy_(full)
     scalars = {k[2:]: v if k == "s/micro_step" else v.to(dev) for k, v in scalars.items()}  # a host counter
     return _assemble(like, roles, scalars,
@@ -365,7 +365,7 @@ def _assemble(like: TrainState, roles: dict[str, torch.Tensor], s: dict[str, tor
         compute = master if cfg.compute_dtype == master.dtype else master.to(cfg.compute_dtype)
     else:
         full = master if like.stage == 0 else torch.cat(
-            [comm.all_gather(lay.arena_slice(master, u), like.group) for u in lay.units])
+            [comm.all_gather(lay.arena_slice(master, u), like.mesh.shard) for u in lay.units])
         compute = full.to(cfg.compute_dtype)
         if compute.dtype == master.dtype:
             master = master_view(compute, lay, like.stage)

@@ -54,6 +54,10 @@ class Config:
         persist_threshold: stage 3: parameters of at most this many elements stay in the root
             unit, gathered once per forward (DeepSpeed's ``stage3_param_persistence_threshold``).
         align: elements each rank's shard is padded to a multiple of (keeps shards 16-byte aligned).
+        shard_size: hybrid sharding (stages 1-3): shard the state over groups of this many
+            consecutive ranks and replicate it across the groups (FSDP2's HSDP, DeepSpeed's
+            ``mics_shard_size``); e.g. the ranks per node, so only one all-reduce per step crosses
+            nodes. ``None`` shards over the whole world; it must divide the world size.
 
     Examples:
         >>> import zfunc
@@ -81,6 +85,7 @@ class Config:
     freeze: Sequence[str] = ()
     persist_threshold: int = 100_000
     align: int = 4
+    shard_size: int | None = None
 
     def __post_init__(self) -> None:
         check(self.stage in (0, 1, 2, 3) and not isinstance(self.stage, bool),
@@ -107,6 +112,8 @@ class Config:
         check(self.lr_schedule is None or callable(self.lr_schedule), "lr_schedule",
                "None or a callable step -> lr", self.lr_schedule)
         check(is_positive_int(self.align), "align", "a positive integer", self.align)
+        check(self.shard_size is None or is_positive_int(self.shard_size), "shard_size",
+              "None or a positive integer (a divisor of the world size)", self.shard_size)
         check(isinstance(self.persist_threshold, int) and self.persist_threshold >= 0, "persist_threshold",
                "an integer >= 0", self.persist_threshold)
         check(self.units is None or (isinstance(self.units, (list, tuple))

@@ -16,6 +16,7 @@ from zfunc.binding import ModuleBinding, donated_binding
 from zfunc.config import Config
 from zfunc.errors import ConfigError
 from zfunc.layout import make_layout, master_view
+from zfunc.mesh import Mesh, make_mesh
 from zfunc.optim import assign_groups
 from zfunc.scaler import scaler_init
 from zfunc.state import GroupHyper, Metrics, TrainState
@@ -46,7 +47,7 @@ def _signature(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str, 
 def _fingerprint(cfg: Config) -> dict[str, str]:
     """The `Config` fields that must agree across ranks (anything that changes collectives or math)."""
     fields = ("stage", "precision", "grad_accum", "clip", "loss_scale", "master_dtype", "moment_dtype",
-              "grad_accum_dtype", "comm_dtype", "autocast", "units", "persist_threshold", "align", "optimizer")
+              "grad_accum_dtype", "comm_dtype", "autocast", "units", "persist_threshold", "align", "optimizer", "shard_size")
     return {f: repr(getattr(cfg, f)) for f in fields}
 
 
@@ -140,6 +141,14 @@ def group_hyper(cfg: Config) -> GroupHyper:
                          for f in dataclasses.fields(GroupHyper)})
 
 
+def mesh_of(cfg: Config, group: comm.Group) -> Mesh:
+    """The `zfunc.mesh.Mesh` ``cfg.shard_size`` makes of ``group`` (checked against its size)."""
+    if cfg.stage == 0 and cfg.shard_size not in (None, group.size):
+        raise ConfigError(f"shard_size: {cfg.shard_size} with stage 0, which shards nothing (every rank holds "
+                          f"everything); use stage 1-3 with shard_size, or leave shard_size None")
+    return make_mesh(group, cfg.shard_size)
+
+
 def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *,
          donate: bool = False) -> TrainState:
     """The initial `TrainState` of ``model`` trained as ``cfg`` says, on ``group``.
@@ -184,8 +193,9 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
     if not trainable:
         raise ConfigError("model: has no parameter with requires_grad=True (outside Config.freeze); nothing to train")
     device = next(iter(trainable.values())).device
+    mesh = mesh_of(cfg, group)
     units, unit_names = units_of(model, cfg, trainable)
-    layout = make_layout(units, world=group.size, rank=group.rank, align=cfg.align, names=unit_names)
+    layout = make_layout(units, world=mesh.shard.size, rank=mesh.shard.rank, align=cfg.align, names=unit_names)
     cdt, mdt = cfg.compute_dtype, cfg.master_dtype
 
     def replicated(t: torch.Tensor) -> torch.Tensor:  # rank 0's value, 32/16-bit floats in the compute dtype
@@ -228,7 +238,7 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
         loss_sum=scalar(0.0),
         metrics=Metrics(loss=scalar(float("nan")), grad_norm=scalar(0.0), loss_scale=scaler.scale.clone(),
                         skipped=scalar(0.0), lr=scalar(float("nan"))),
-        frozen=frozen, buffers=buffers, binding=binding, cfg=cfg, layout=layout, group=group)
+        frozen=frozen, buffers=buffers, binding=binding, cfg=cfg, layout=layout, mesh=mesh)
     return state.replace(metrics=dataclasses.replace(state.metrics, lr=learning_rate(state)))  # step 0 uses it
 
 
@@ -257,6 +267,6 @@ def gather_by_name(state: TrainState, t: torch.Tensor) -> dict[str, torch.Tensor
         if state.stage == 0:
             flat = t.narrow(0, 0, unit.padded)
         else:
-            flat = comm.all_gather(lay.arena_slice(t, unit), state.group)
+            flat = comm.all_gather(lay.arena_slice(t, unit), state.mesh.shard)
         out.update({k: v.clone() for k, v in lay.views(unit, flat).items()})
     return {n: out[n] for n, _ in state.module.named_parameters() if n in out}  # the model's order

@@ -39,7 +39,7 @@ _HARMLESS = {"steps_per_print", "wall_clock_breakdown", "zero_allow_untested_opt
 # Keys that change the numbers: accepted at the value that matches zfunc, refused otherwise.
 _NUMERIC = {"gradient_predivide_factor": (1, 1.0), "prescale_gradients": (False,),
             "gradient_allreduce_op": ("mean", "avg"), "sparse_gradients": (False,)}
-_ZERO_HANDLED = {"stage", "stage3_param_persistence_threshold"}
+_ZERO_HANDLED = {"stage", "stage3_param_persistence_threshold", "mics_shard_size", "zero_hpz_partition_size"}
 # What zfunc reads (or knowingly treats as always on) in each precision section.
 _SECTION_KEYS = {
     "fp16": {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
@@ -55,7 +55,8 @@ _ZERO_HARMLESS = {"contiguous_gradients", "reduce_scatter", "reduce_bucket_size"
                   "ignore_unused_parameters", "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
                   "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
                   "stage3_model_persistence_threshold", "load_from_fp32_weights", "elastic_checkpoint",
-                  "use_multi_rank_bucket_allreduce", "memory_efficient_linear"}
+                  "use_multi_rank_bucket_allreduce", "memory_efficient_linear",
+                  "mics_hierarchical_params_gather"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,6 +269,23 @@ def _dtype(v: Any, path: str) -> torch.dtype:
     return _DTYPES[str(v)]
 
 
+def _shard_size(zero: Mapping[str, Any], stage: int) -> int | None:
+    """``mics_shard_size`` as `zfunc.Config.shard_size` (-1, DeepSpeed's default, is off)."""
+    hpz = zero.get("zero_hpz_partition_size", 1)
+    if hpz != 1:
+        raise _err("zero_optimization.zero_hpz_partition_size", "1: ZeRO++ hierarchical partitioning (a second, "
+                   "per-node copy of the parameters beside world-wide sharding) is not built; use "
+                   "mics_shard_size (zfunc's shard_size: shard within the node, replicate across nodes)", hpz)
+    k = zero.get("mics_shard_size", -1)
+    if k == -1:
+        return None
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise _err("zero_optimization.mics_shard_size", "-1 (off) or a positive integer dividing the world size", k)
+    if stage == 0:
+        raise _err("zero_optimization.mics_shard_size", "-1 at stage 0, which shards nothing (or use stage 1-3)", k)
+    return k
+
+
 def translate(ds: Mapping[str, Any] | str | os.PathLike,
               world_size: int = 1) -> tuple[dict[str, Any], BatchSizes]:
     """The `zfunc.Config` fields and the batch sizes of a DeepSpeed config (a dict or a JSON path).
@@ -302,6 +320,7 @@ def translate(ds: Mapping[str, Any] | str | os.PathLike,
         raise _err("zero_optimization.stage", "one of 0, 1, 2, 3", stage)
     clip = _number(ds, "", "gradient_clipping", 1.0)
     persist = int(_number(zero, "zero_optimization", "stage3_param_persistence_threshold", 100_000))
+    shard_size = _shard_size(zero, stage)
     optimizer = _optimizer(ds)
 
     fp16, bf16 = _section(ds, "fp16"), _section(ds, "bf16") or _section(ds, "bfloat16")
@@ -351,5 +370,6 @@ def translate(ds: Mapping[str, Any] | str | os.PathLike,
                   clip=clip or None, loss_scale=loss_scale, master_dtype=master, moment_dtype=moments,
                   grad_accum_dtype=accum,
                   comm_dtype=_dtype(comm_dtype, "communication_data_type") if comm_dtype else None,
-                  autocast=autocast, lr_schedule=_scheduler(ds, optimizer.lr), persist_threshold=persist)
+                  autocast=autocast, lr_schedule=_scheduler(ds, optimizer.lr), persist_threshold=persist,
+                  shard_size=shard_size)
     return fields, sizes

@@ -96,14 +96,14 @@ class UnitGatherer:
     def gather(self, i: int) -> torch.Tensor:
         """Unit ``i`` in full, differentiable: its backward reduce-scatters into sink ``i``."""
         st = self.state
-        full = comm.unit_params(self.sinks[i], self._shard(i), None, st.group, st.cfg.reduce_dtype, True)
+        full = comm.unit_params(self.sinks[i], self._shard(i), None, st.mesh.shard, st.cfg.reduce_dtype, True)
         return _count_bytes(full)
 
     def regather(self, i: int) -> torch.Tensor:
         """Unit ``i`` in full again, for backward (shared by the saved tensors that need it)."""
         full = self.regathered.get(i)
         if full is None:
-            full = self.regathered[i] = _count_bytes(comm.all_gather(self._shard(i), self.state.group))
+            full = self.regathered[i] = _count_bytes(comm.all_gather(self._shard(i), self.state.mesh.shard))
         return full
 
     def root_views(self) -> dict[str, torch.Tensor]:

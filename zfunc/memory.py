@@ -7,6 +7,7 @@ import torch
 from zfunc.config import Config
 from zfunc.create import trainable_params, units_of
 from zfunc.layout import make_layout
+from zfunc.mesh import shard_ranks
 from zfunc.state import TrainState
 
 __all__ = ["memory_report", "memory_plan"]
@@ -42,6 +43,7 @@ def memory_plan(model: torch.nn.Module, cfg: Config, world_size: int) -> dict[st
     """The bytes `memory_report` will show on each rank, computed from shapes alone.
 
     Nothing is allocated and no process group is needed, so any world size can be planned.
+    With ``cfg.shard_size`` the state is sharded over that many ranks instead of the world.
 
     Examples:
         >>> import torch, zfunc
@@ -56,7 +58,7 @@ def memory_plan(model: torch.nn.Module, cfg: Config, world_size: int) -> dict[st
     """
     trainable = trainable_params(model, cfg)
     units, names = units_of(model, cfg, trainable)
-    lay = make_layout(units, world=world_size, rank=0, align=cfg.align, names=names)
+    lay = make_layout(units, world=shard_ranks(cfg.shard_size, world_size), rank=0, align=cfg.align, names=names)
     size = lambda dt: torch.empty((), dtype=dt).element_size()  # noqa: E731
     opt_numel = lay.full_numel if cfg.stage == 0 else lay.arena_numel
     compute = (lay.arena_numel if cfg.stage == 3 else lay.full_numel) * size(cfg.compute_dtype)

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from zfunc.comm import Group
     from zfunc.config import Config
     from zfunc.layout import Layout
+    from zfunc.mesh import Mesh
     from zfunc.scaler import ScalerState
 
 __all__ = ["TrainState", "AdamState", "SGDState", "LionState", "AdagradState", "GroupHyper", "Metrics"]
@@ -155,6 +156,8 @@ class TrainState:
         buffers: the module's buffers (floating ones in the compute dtype), replicated, by name;
             a forward that updates them (BatchNorm's running statistics) returns new ones.
         binding: the `zfunc.binding.ModuleBinding` (the module and the hooks zfunc put on it).
+        mesh: the `zfunc.mesh.Mesh`: the world, the ranks the state is sharded over, and the
+            replicas of each shard (``Config.shard_size``).
 
     Examples:
         >>> import torch, zfunc
@@ -181,7 +184,7 @@ class TrainState:
     binding: ModuleBinding = field(pytree_node=False)
     cfg: Config = field(pytree_node=False)
     layout: Layout = field(pytree_node=False)
-    group: Group = field(pytree_node=False)
+    mesh: Mesh = field(pytree_node=False)
 
     def replace(self, **changes: Any) -> TrainState:
         """A new state with ``changes``; the tensors not named are shared, not copied."""
@@ -191,6 +194,11 @@ class TrainState:
     def module(self) -> torch.nn.Module:
         """The user's module this state trains."""
         return self.binding.module
+
+    @property
+    def group(self) -> Group:
+        """Every rank of the run (``mesh.world``); ZeRO's collectives run over ``mesh.shard``."""
+        return self.mesh.world
 
     @property
     def stage(self) -> int:

@@ -115,16 +115,26 @@ def set_hyperparams(state: TrainState, group: int = 0, **values: float | tuple[f
 
 
 def _reduce(state: TrainState, donate: bool) -> torch.Tensor:
-    """This rank's summed gradient over the optimizer's domain, in the accumulation dtype."""
-    cfg, group = state.cfg, state.group
-    if state.stage >= 2 or group.size == 1:
-        return state.grads
-    wire = state.grads.to(cfg.reduce_dtype)
-    if state.stage == 0:
-        out = comm.all_reduce_(wire if (donate or wire is not state.grads) else wire.clone(), "sum", group)
-    else:
-        out = comm.reduce_scatter(wire, "sum", group)
-    return out.to(cfg.grad_accum_dtype)
+    """This rank's summed gradient over the optimizer's domain, in the accumulation dtype.
+
+    Stage 0 all-reduces over the world; stage 1 reduce-scatters over the shard group; stages 2-3
+    were reduce-scattered in backward. With replicas (``Config.shard_size``) the shard is then
+    all-reduced across them, once per step: the only collective that crosses replicas.
+    """
+    cfg, mesh = state.cfg, state.mesh
+    grads = state.grads
+    if state.stage < 2 and mesh.world.size > 1:
+        wire = grads.to(cfg.reduce_dtype)
+        if state.stage == 0:
+            out = comm.all_reduce_(wire if (donate or wire is not grads) else wire.clone(), "sum", mesh.world)
+        else:
+            out = comm.reduce_scatter(wire, "sum", mesh.shard)
+        grads, donate = out.to(cfg.grad_accum_dtype), True  # a new buffer: free to reduce in place
+    if state.stage > 0 and mesh.replicas.size > 1:
+        wire = grads.to(cfg.reduce_dtype)
+        out = comm.all_reduce_(wire if (donate or wire is not grads) else wire.clone(), "sum", mesh.replicas)
+        grads = out.to(cfg.grad_accum_dtype)
+    return grads
 
 
 def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
@@ -169,8 +179,9 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
     local = torch.stack([state.loss_sum, state.micro_step.to(state.device, torch.float32)])
     if state.stage == 0:  # every rank holds the whole reduced gradient already
         agreed = torch.cat([stats, comm.all_reduce(local, "sum", group)])
-    else:
-        agreed = comm.all_reduce(torch.cat([stats, local]), "sum", group)
+    else:  # each shard counted once: by the first replica (the others hold the same values)
+        agreed = comm.all_reduce(torch.cat([stats if state.mesh.replicas.rank == 0 else torch.zeros_like(stats),
+                                            local]), "sum", group)
     found_inf = (agreed[0] > 0).to(torch.float32)
     inv_scale = (1.0 / state.scaler.scale).to(torch.float32)
     grad_norm = agreed[1].sqrt() * inv_scale
@@ -212,7 +223,7 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
 
     # Gather the updated compute parameters where forward reads them in full.
     if state.stage in (1, 2):
-        comm.all_gather_into(compute, master_view(compute, lay, state.stage).clone(), group)
+        comm.all_gather_into(compute, master_view(compute, lay, state.stage).clone(), state.mesh.shard)
 
     grads = state.grads.zero_() if donate else torch.zeros_like(state.grads)
     scaler = scaler_update(state.scaler, found_inf, cfg, state.step)

@@ -1,0 +1,111 @@
+"""Hybrid sharding: which ranks share one copy of the state, and which hold the same shard.
+
+A world of ``n`` ranks with ``shard_size=k`` is ``n / k`` *replicas* of ``k`` consecutive ranks
+(FSDP2's HSDP mesh ``(replicate, shard)``, DeepSpeed's MiCS): parameters, gradients and optimizer
+state are sharded over the ``k`` ranks of a replica (the *shard group*), and a gradient shard is
+averaged over the ``n / k`` ranks that own the same shard (the *replica group*, ranks ``r``,
+``r + k``, ``r + 2k``, ...). ``k = n`` is flat ZeRO over the world.
+
+On a cluster of nodes with ``k`` ranks each, every all-gather and reduce-scatter stays inside a
+node; only one all-reduce of a shard per step crosses nodes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch.distributed as dist
+
+from zfunc.comm import Group
+from zfunc.errors import ConfigError
+
+__all__ = ["Mesh", "make_mesh", "shard_ranks"]
+
+_CACHE: dict[tuple[Any, ...], Mesh] = {}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Mesh:
+    """The three groups a training state talks over.
+
+    Attributes:
+        world: every rank (losses, buffers, checks at init).
+        shard: the ranks one copy of the state is sharded over (the ZeRO collectives).
+        replicas: the ranks holding the same shard (gradients averaged across them).
+
+    Examples:
+        >>> import zfunc
+        >>> m = make_mesh(zfunc.comm.world(), None)
+        >>> m.shard.size, m.replicas.size
+        (1, 1)
+    """
+
+    world: Group
+    shard: Group
+    replicas: Group
+
+    @property
+    def shard_size(self) -> int:
+        return self.shard.size
+
+    def __repr__(self) -> str:
+        return f"Mesh(world={self.world.size}, shard={self.shard.size}, replicas={self.replicas.size})"
+
+
+def _ranks(world: Group) -> list[int]:
+    """The global ranks of ``world``, in group-rank order."""
+    if world.size == 1:
+        return [dist.get_rank() if dist.is_available() and dist.is_initialized() else 0]
+    if world.pg is None:
+        return list(range(world.size))
+    return dist.get_process_group_ranks(world.pg)
+
+
+def shard_ranks(shard_size: int | None, world_size: int) -> int:
+    """How many ranks one copy of the state is sharded over (``None``: all of them).
+
+    Raises:
+        ConfigError: ``shard_size`` does not divide ``world_size``, or exceeds it.
+
+    Examples:
+        >>> shard_ranks(None, 8), shard_ranks(4, 8)
+        (8, 4)
+    """
+    n, k = world_size, world_size if shard_size is None else shard_size
+    if k > n or n % k:
+        raise ConfigError(f"shard_size: {k} {'is larger than' if k > n else 'does not divide'} the world size {n}; "
+                          f"use a divisor of {n} (e.g. the ranks per node), or None to shard over the whole world")
+    return k
+
+
+def make_mesh(world: Group, shard_size: int | None) -> Mesh:
+    """The `Mesh` of ``world`` split into replicas of ``shard_size`` consecutive ranks (built once
+    per world and size, then cached; call on every rank of ``world``).
+
+    ``None`` (or ``world.size``) shards over the whole world.
+
+    Raises:
+        ConfigError: ``shard_size`` does not divide the world size, or exceeds it.
+
+    Examples:
+        >>> import zfunc
+        >>> make_mesh(zfunc.comm.world(), 1)
+        Mesh(world=1, shard=1, replicas=1)
+    """
+    n, k = world.size, shard_ranks(shard_size, world.size)
+    if k == n:
+        return Mesh(world=world, shard=world, replicas=Group(rank=0, size=1))
+    ranks = _ranks(world)
+    key = (id(dist.group.WORLD), tuple(ranks), k)
+    if key not in _CACHE:
+        me = world.rank
+        start, index = me - me % k, me % k
+        # Every member of a group creates it (local synchronisation): all ranks first their shard
+        # group, then their replica group, so no two ranks wait on each other in opposite order.
+        shard = dist.new_group(ranks[start:start + k], use_local_synchronization=True)
+        column = ranks[index::k]
+        replicas = dist.new_group(column, use_local_synchronization=True)
+        _CACHE[key] = Mesh(world=world, shard=Group(rank=index, size=k, pg=shard),
+                           replicas=Group(rank=me // k, size=n // k, pg=replicas))
+    return _CACHE[key]
