@@ -242,8 +242,15 @@ def test_harmless_keys_give_one_warning_and_the_rest_are_refused():
     assert len(caught) == 1
     assert "activation_checkpointing, flops_profiler, zero_optimization.overlap_comm" in str(caught[0].message)
     refused = [
-        ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "zero_optimization.offload_optimizer.device"),
+        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}},
+         "zero_optimization.offload_optimizer.device"),
+        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
+         "zero_optimization.offload_optimizer.ratio"),
+        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memry": True}}},
+         "zero_optimization.offload_optimizer.pin_memry"),
         ({"zero_optimization": {"offload_param": {"device": "nvme"}}}, "zero_optimization.offload_param.device"),
+        ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, "zero_optimization.offload_param.device"),
+        ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer: needs stage"),
         ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
         ({"prescale_gradients": True}, "prescale_gradients"),
         ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op"),

@@ -28,9 +28,9 @@ import torch.distributed.checkpoint as dcp
 
 from zfunc import comm, commit
 from zfunc._tree import tree
-from zfunc.create import full_params
+from zfunc.create import full_params, place_master
 from zfunc.errors import CheckpointError
-from zfunc.layout import Layout, Unit, master_view
+from zfunc.layout import Layout, Unit
 from zfunc.state import TrainState
 
 __all__ = ["save", "load", "export", "exists", "CheckpointError", "read_meta", "read_extra"]
@@ -75,13 +75,14 @@ def _key(record: str, path: tuple) -> str:
 
 
 def _scalars(state: TrainState) -> dict[str, torch.Tensor]:
+    """The state's small tensors under their checkpoint keys, where the state keeps them."""
     picked = {"step": state.step, "micro_step": state.micro_step, "loss_sum": state.loss_sum,
               "count": state.opt.count}
     for record in _RECORDS:
         value = getattr(state, record)
         for path, leaf in zip(tree.paths(value), tree.leaves(value)):
             picked[_key(record, path)] = leaf
-    return {f"s/{k}": v.detach().cpu().clone() for k, v in picked.items()}
+    return {f"s/{k}": v for k, v in picked.items()}
 
 
 def save(state: TrainState, path: str | os.PathLike, *, extra: dict[str, Any] | None = None) -> str:
@@ -168,7 +169,7 @@ def _pieces(state: TrainState) -> dict[str, torch.Tensor]:
             for name, start, at, n in _overlaps(unit, lo, hi):
                 sd[f"p/{name}/{role}/{start}"] = owned.narrow(0, at, n).detach().cpu()
     if group.rank == 0:
-        sd.update(_scalars(state))
+        sd.update({k: v.detach().cpu().clone() for k, v in _scalars(state).items()})
         sd.update({f"f/{n}": t.detach().cpu() for n, t in _replicated(state).items()})
     sd[f"rng/{group.rank}"] = torch.get_rng_state()
     return sd
@@ -315,7 +316,7 @@ def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True)
                         key = f"p/{name}/{role}/{s}"
                         want[key] = torch.empty(size, dtype=stored[key].properties.dtype)
             plan.append((unit, at, name, start, n))
-    scalars = {k: torch.empty_like(v) for k, v in _scalars(like).items()}
+    scalars = {k: torch.empty_like(v, device="cpu") for k, v in _scalars(like).items()}
     frozen = {f"f/{n}": torch.empty_like(t, device="cpu") for n, t in _replicated(like).items()}
     rng_key = f"rng/{group.rank}" if restore_rng and meta["world"] == group.size else None
     rng = {rng_key: torch.empty_like(torch.get_rng_state())} if rng_key else {}
@@ -333,8 +334,8 @@ def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True)
         raise CheckpointError(f"{path}: damaged pieces (their CRC-32 differs from the one saved): {damaged[:5]}. "
                               "Nothing was loaded; load an earlier checkpoint")
 
-    dev = like.device
-    roles = {role: torch.zeros(t.numel(), dtype=t.dtype, device=dev)
+    dev = like.device  # the master is placed from the compute device (place_master moves it)
+    roles = {role: torch.zeros(t.numel(), dtype=t.dtype, device=dev if role == "master" else t.device)
              for role, t in zip(_roles(like), (like.params, *_slots(like)))}
     for unit, at, name, start, n in plan:
         for role in _roles(like):
@@ -352,26 +353,18 @@ def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True)
                 lo, hi = lay.owned(unit)
                 full = comm.all_gather(roles[role].narrow(0, lo, hi - lo), like.mesh.shard)
                 roles[role].narrow(0, 0, unit.padded).copy_(full)
-    scalars = {k[2:]: v if k == "s/micro_step" else v.to(dev) for k, v in scalars.items()}  # a host counter
+    live = _scalars(like)
+    scalars = {k[2:]: v.to(live[k].device) for k, v in scalars.items()}  # where the state keeps each
     return _assemble(like, roles, scalars,
                      {k[2:]: v.to(dev) for k, v in frozen.items()}, rng.get(rng_key))
 
 
 def _assemble(like: TrainState, roles: dict[str, torch.Tensor], s: dict[str, torch.Tensor],
               frozen: dict[str, torch.Tensor], rng: torch.Tensor | None) -> TrainState:
-    lay, cfg = like.layout, like.cfg
-    master = roles["master"]
-    if like.stage == 3:
-        compute = master if cfg.compute_dtype == master.dtype else master.to(cfg.compute_dtype)
-    else:
-        full = master if like.stage == 0 else torch.cat(
-            [comm.all_gather(lay.arena_slice(master, u), like.mesh.shard) for u in lay.units])
-        compute = full.to(cfg.compute_dtype)
-        if compute.dtype == master.dtype:
-            master = master_view(compute, lay, like.stage)
+    cfg = like.cfg
+    master, compute = place_master(roles["master"], cfg, like.layout, like.mesh)
     records = {r: tree.unflatten(tree.structure(getattr(like, r)),
                                  [s[_key(r, p)] for p in tree.paths(getattr(like, r))]) for r in _RECORDS}
-    records["hyper"] = tree.map(lambda t: t.cpu(), records["hyper"])  # on the host, as in every state
     if rng is not None:
         torch.set_rng_state(rng)
     return like.replace(params=master, compute=compute, grads=torch.zeros_like(like.grads),

@@ -58,6 +58,11 @@ class Config:
             consecutive ranks and replicate it across the groups (FSDP2's HSDP, DeepSpeed's
             ``mics_shard_size``); e.g. the ranks per node, so only one all-reduce per step crosses
             nodes. ``None`` shards over the whole world; it must divide the world size.
+        offload_optimizer: ``"cpu"``: ZeRO-Offload. The master weights and optimizer state of
+            this rank's shard live in host memory and the CPU kernel updates them; the compute
+            device keeps only the compute copy and the gradients. ``None``: all on the device.
+        offload_pin_memory: page-lock the host arena when the compute device is CUDA (faster,
+            asynchronous copies; DeepSpeed's ``offload_optimizer.pin_memory``).
 
     Examples:
         >>> import zfunc
@@ -86,6 +91,8 @@ class Config:
     persist_threshold: int = 100_000
     align: int = 4
     shard_size: int | None = None
+    offload_optimizer: str | None = None
+    offload_pin_memory: bool = True
 
     def __post_init__(self) -> None:
         check(self.stage in (0, 1, 2, 3) and not isinstance(self.stage, bool),
@@ -112,6 +119,9 @@ class Config:
         check(self.lr_schedule is None or callable(self.lr_schedule), "lr_schedule",
                "None or a callable step -> lr", self.lr_schedule)
         check(is_positive_int(self.align), "align", "a positive integer", self.align)
+        check(self.offload_optimizer in (None, "cpu"), "offload_optimizer",
+              'None or "cpu" (host memory; NVMe is not supported)', self.offload_optimizer)
+        check(isinstance(self.offload_pin_memory, bool), "offload_pin_memory", "True or False", self.offload_pin_memory)
         check(self.shard_size is None or is_positive_int(self.shard_size), "shard_size",
               "None or a positive integer (a divisor of the world size)", self.shard_size)
         check(isinstance(self.persist_threshold, int) and self.persist_threshold >= 0, "persist_threshold",
@@ -127,6 +137,9 @@ class Config:
         check(isinstance(self.freeze, (list, tuple, set, frozenset)) and all(isinstance(n, str) for n in self.freeze),
               "freeze", "a list of parameter names", self.freeze)
         object.__setattr__(self, "freeze", tuple(self.freeze))
+        if self.offload_optimizer is not None and self.stage == 0:
+            raise ConfigError("offload_optimizer: needs stage 1, 2 or 3 (stage 0 keeps the whole optimizer state "
+                              "on every rank; shard it first, then offload the shard)")
         if (self.precision == "bf16" or self.autocast == torch.bfloat16) and self.loss_scale is not None:
             raise ConfigError("loss_scale: bf16 needs no loss scaling (its range is fp32's); "
                               "set loss_scale=None, or use precision='fp16'")

@@ -15,14 +15,14 @@ from zfunc import comm
 from zfunc.binding import ModuleBinding, donated_binding
 from zfunc.config import Config
 from zfunc.errors import ConfigError
-from zfunc.layout import make_layout, master_view
+from zfunc.layout import Layout, make_layout, master_view
 from zfunc.mesh import Mesh, make_mesh
 from zfunc.optim import assign_groups
 from zfunc.scaler import scaler_init
 from zfunc.state import GroupHyper, Metrics, TrainState
 from zfunc.update import learning_rate
 
-__all__ = ["init", "full_params", "gather_by_name", "units_of", "group_hyper", "trainable_params"]
+__all__ = ["init", "full_params", "gather_by_name", "units_of", "group_hyper", "trainable_params", "place_master"]
 
 
 def trainable_params(model: torch.nn.Module, cfg: Config) -> dict[str, torch.Tensor]:
@@ -149,6 +149,30 @@ def mesh_of(cfg: Config, group: comm.Group) -> Mesh:
     return make_mesh(group, cfg.shard_size)
 
 
+def place_master(master: torch.Tensor, cfg: Config, layout: Layout, mesh: Mesh) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's master weights (its arena, or everything at stage 0, on the compute device)
+    as the state's ``(params, compute)``.
+
+    The compute copy is the master in the compute dtype: gathered in full at stages 0-2 (the
+    master is then a view of it where the dtypes agree), this rank's arena at stage 3. With
+    ``cfg.offload_optimizer`` the master moves to host memory (pinned for CUDA) and is never
+    shared with the compute copy.
+    """
+    cdt = cfg.compute_dtype
+    if cfg.stage in (0, 3):
+        compute = master.to(cdt)
+    else:
+        compute = torch.cat([comm.all_gather(layout.arena_slice(master, u).to(cdt), mesh.shard)
+                             for u in layout.units])
+    if cfg.offload_optimizer is None:
+        if compute.dtype == master.dtype:  # one buffer: the master is (a view of) the compute copy
+            master = compute if cfg.stage in (0, 3) else master_view(compute, layout, cfg.stage)
+        return master, compute
+    pin = cfg.offload_pin_memory and master.device.type == "cuda"
+    host = torch.empty(master.shape, dtype=master.dtype, pin_memory=pin)
+    return host.copy_(master), compute
+
+
 def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *,
          donate: bool = False) -> TrainState:
     """The initial `TrainState` of ``model`` trained as ``cfg`` says, on ``group``.
@@ -208,19 +232,16 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
     full_master = [comm.broadcast(layout.flatten_unit(u, trainable, mdt, device), 0, group)
                    for u in layout.units]
     if cfg.stage == 0:
-        params = torch.cat(full_master)
+        master = torch.cat(full_master)
     else:
-        params = torch.cat([flat.narrow(0, *layout.owned_start_len(u)) for u, flat in
+        master = torch.cat([flat.narrow(0, *layout.owned_start_len(u)) for u, flat in
                             zip(layout.units, full_master)])
-    if cfg.stage == 3:
-        compute = params if cdt == mdt else params.to(cdt)
-    else:
-        compute = torch.cat(full_master).to(cdt)
-        if cdt == mdt:  # the master shard is a view of the compute buffer: no second copy
-            params = master_view(compute, layout, cfg.stage)
+    del full_master
+    params, compute = place_master(master, cfg, layout, mesh)
     grads_numel = layout.full_numel if cfg.stage < 2 else layout.arena_numel
     opt = cfg.optimizer
-    slots = {name: torch.full((params.numel(),), opt.slot_init, dtype=cfg.moment_dtype, device=device)
+    slots = {name: torch.full((params.numel(),), opt.slot_init, dtype=cfg.moment_dtype, device=params.device,
+                              pin_memory=params.is_pinned())
              for name in opt.slots}
 
     def scalar(v: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -233,7 +254,8 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
     state = TrainState(
         params=params, compute=compute,
         grads=torch.zeros(grads_numel, dtype=cfg.grad_accum_dtype, device=device),
-        opt=opt.state_class(**slots, count=scalar(0, torch.int64)), hyper=group_hyper(cfg),
+        opt=opt.state_class(**slots, count=torch.zeros((), dtype=torch.int64, device=params.device)),
+        hyper=group_hyper(cfg),
         scaler=scaler, step=scalar(0, torch.int64), micro_step=torch.zeros((), dtype=torch.int64),
         loss_sum=scalar(0.0),
         metrics=Metrics(loss=scalar(float("nan")), grad_norm=scalar(0.0), loss_scale=scaler.scale.clone(),

@@ -132,6 +132,46 @@ def _number(sec: Mapping[str, Any], path: str, key: str, default: float) -> floa
     return float(v)
 
 
+_OFFLOAD_KEYS = {"device", "pin_memory", "nvme_path", "buffer_count", "fast_init", "pipeline_read",
+                 "pipeline_write", "ratio", "buffer_size", "max_in_cpu"}
+
+
+def _offload(zero: Mapping[str, Any]) -> tuple[str | None, bool]:
+    """``offload_optimizer`` (and the legacy ``cpu_offload``) as ``(offload_optimizer,
+    offload_pin_memory)`` of `zfunc.Config`; ``offload_param`` on a device is refused."""
+    sections = {}
+    for key in ("offload_optimizer", "offload_param"):
+        sec = zero.get(key) or {}
+        if not isinstance(sec, Mapping):
+            raise _err(f"zero_optimization.{key}", '{"device": "cpu"} or {"device": "none"}', sec)
+        for sub in sec:
+            if sub not in _OFFLOAD_KEYS:
+                raise ConfigError(f"zero_optimization.{key}.{sub}: zfunc does not implement this key (or it is "
+                                  "misspelt); remove it")
+        sections[key] = sec
+    param = sections["offload_param"].get("device", "none")
+    if param not in ("none", None):
+        raise _err("zero_optimization.offload_param.device", '"none": parameter offload is not built (zfunc '
+                   'offloads the optimizer: set offload_optimizer.device "cpu", and use stage 3 with more ranks '
+                   "or shard_size to fit the parameters)", param)
+    opt = sections["offload_optimizer"]
+    device = opt.get("device", "none")
+    if zero.get("cpu_offload") not in (None, False, True):
+        raise _err("zero_optimization.cpu_offload", "true or false", zero["cpu_offload"])
+    if zero.get("cpu_offload") is True:  # DeepSpeed's older spelling of offload_optimizer.device "cpu"
+        device = "cpu" if device in ("none", None) else device
+    if device not in ("none", None, "cpu"):
+        raise _err("zero_optimization.offload_optimizer.device", '"cpu" or "none" (NVMe offload is not built; '
+                   "host memory is what zfunc offloads to)", device)
+    if opt.get("ratio", 1.0) != 1.0:
+        raise _err("zero_optimization.offload_optimizer.ratio", "1.0 (zfunc offloads all of the optimizer state; "
+                   "a partial offload is not built)", opt["ratio"])
+    pin = opt.get("pin_memory", False)
+    if not isinstance(pin, bool):
+        raise _err("zero_optimization.offload_optimizer.pin_memory", "true or false", pin)
+    return ("cpu" if device == "cpu" else None), pin
+
+
 def _refuse_unknown(ds: Mapping[str, Any]) -> None:
     """Every key zfunc does not honour, or honours only at some values, is an error naming it."""
     known = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
@@ -146,16 +186,7 @@ def _refuse_unknown(ds: Mapping[str, Any]) -> None:
             raise _err(key, f"{allowed[0]!r} (zfunc averages gradients over ranks in one step, in comm dtype; "
                        "other values change the numbers and are not implemented)", ds[key])
     zero = _section(ds, "zero_optimization")
-    for key in ("offload_optimizer", "offload_param"):
-        sec = zero.get(key)
-        if sec is None:
-            continue
-        device = sec.get("device", "none") if isinstance(sec, Mapping) else sec
-        if device not in ("none", None):
-            raise _err(f"zero_optimization.{key}.device", '"none": zfunc does not offload yet; remove the key '
-                       "(or set device none) and use a larger world or stage 3 to fit the model", device)
-    if zero.get("cpu_offload") not in (None, False):
-        raise _err("zero_optimization.cpu_offload", "false: zfunc does not offload yet; remove the key", zero["cpu_offload"])
+    _offload(zero)
     for key in zero:
         if key not in _ZERO_HANDLED | _ZERO_HARMLESS | {"offload_optimizer", "offload_param", "cpu_offload"}:
             raise ConfigError(f"zero_optimization.{key}: zfunc does not implement this key (or it is misspelt); "
@@ -308,6 +339,8 @@ def translate(ds: Mapping[str, Any] | str | os.PathLike,
     zero = _section(ds, "zero_optimization")
     harmless = [k for k in ds if k in _HARMLESS]
     harmless += [f"zero_optimization.{k}" for k in zero if k in _ZERO_HARMLESS]
+    harmless += [f"zero_optimization.{sec}.{k}" for sec in ("offload_optimizer", "offload_param")
+                 for k in (zero.get(sec) or {}) if k not in ("device", "pin_memory", "ratio")]
     if harmless:
         warnings.warn(f"zfunc accepts and does not use these DeepSpeed config keys (they change no numbers): "
                       f"{', '.join(sorted(harmless))}", stacklevel=3)
@@ -321,6 +354,7 @@ def translate(ds: Mapping[str, Any] | str | os.PathLike,
     clip = _number(ds, "", "gradient_clipping", 1.0)
     persist = int(_number(zero, "zero_optimization", "stage3_param_persistence_threshold", 100_000))
     shard_size = _shard_size(zero, stage)
+    offload, pin = _offload(zero)
     optimizer = _optimizer(ds)
 
     fp16, bf16 = _section(ds, "fp16"), _section(ds, "bf16") or _section(ds, "bfloat16")
@@ -371,5 +405,5 @@ def translate(ds: Mapping[str, Any] | str | os.PathLike,
                   grad_accum_dtype=accum,
                   comm_dtype=_dtype(comm_dtype, "communication_data_type") if comm_dtype else None,
                   autocast=autocast, lr_schedule=_scheduler(ds, optimizer.lr), persist_threshold=persist,
-                  shard_size=shard_size)
+                  shard_size=shard_size, offload_optimizer=offload, offload_pin_memory=pin)
     return fields, sizes

@@ -14,17 +14,19 @@ __all__ = ["memory_report", "memory_plan"]
 
 
 def memory_report(state: TrainState) -> dict[str, int]:
-    """Bytes this rank holds for parameters, gradients and optimizer state.
+    """Bytes this rank holds for parameters, gradients and optimizer state, and where.
 
     ``params`` counts the compute copy and the master copy once each (once in total where they
     share memory); ``optimizer`` counts the optimizer's slots (Adam's two moments, SGD's, Lion's
-    or Adagrad's one); ``total`` adds them up.
+    or Adagrad's one); ``total`` adds them up. ``device`` and ``host`` split ``total`` between the
+    compute device and the host arena of ``Config.offload_optimizer`` (which holds the master and
+    the optimizer's slots; ``host`` is 0 without offload).
 
     Examples:
         >>> import torch, zfunc
         >>> rep = zfunc.memory_report(zfunc.init(torch.nn.Linear(7, 1), zfunc.Config(stage=0)))
-        >>> rep["params"], rep["grads"], rep["optimizer"]
-        (32, 32, 64)
+        >>> rep["params"], rep["grads"], rep["optimizer"], rep["host"]
+        (32, 32, 64, 0)
     """
     def nbytes(*ts: torch.Tensor) -> int:
         seen: dict[int, int] = {}
@@ -33,17 +35,24 @@ def memory_report(state: TrainState) -> dict[str, int]:
             seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
         return sum(seen.values())
 
+    slots = [getattr(state.opt, n) for n in state.cfg.optimizer.slots]
     rep = {"params": nbytes(state.params, state.compute), "grads": nbytes(state.grads),
-           "optimizer": sum(nbytes(getattr(state.opt, n)) for n in state.cfg.optimizer.slots)}
-    rep["total"] = sum(rep.values())
-    return rep
+           "optimizer": sum(nbytes(t) for t in slots)}
+    host = nbytes(state.params) + rep["optimizer"] if state.cfg.offload_optimizer else 0
+    return _totals(rep, host)
+
+
+def _totals(rep: dict[str, int], host: int) -> dict[str, int]:
+    total = sum(rep.values())
+    return {**rep, "total": total, "device": total - host, "host": host}
 
 
 def memory_plan(model: torch.nn.Module, cfg: Config, world_size: int) -> dict[str, int]:
     """The bytes `memory_report` will show on each rank, computed from shapes alone.
 
     Nothing is allocated and no process group is needed, so any world size can be planned.
-    With ``cfg.shard_size`` the state is sharded over that many ranks instead of the world.
+    With ``cfg.shard_size`` the state is sharded over that many ranks instead of the world; with
+    ``cfg.offload_optimizer`` the master and optimizer state count under ``host``.
 
     Examples:
         >>> import torch, zfunc
@@ -55,6 +64,9 @@ def memory_plan(model: torch.nn.Module, cfg: Config, world_size: int) -> dict[st
         1 8.59 MiB per rank
         2 5.25 MiB per rank
         3 1.91 MiB per rank
+        >>> off = zfunc.memory_plan(model, zfunc.Config(stage=2, offload_optimizer="cpu"), world_size=8)
+        >>> round(off["device"] / 2**20, 2), round(off["host"] / 2**20, 2)
+        (4.3, 1.43)
     """
     trainable = trainable_params(model, cfg)
     units, names = units_of(model, cfg, trainable)
@@ -62,8 +74,10 @@ def memory_plan(model: torch.nn.Module, cfg: Config, world_size: int) -> dict[st
     size = lambda dt: torch.empty((), dtype=dt).element_size()  # noqa: E731
     opt_numel = lay.full_numel if cfg.stage == 0 else lay.arena_numel
     compute = (lay.arena_numel if cfg.stage == 3 else lay.full_numel) * size(cfg.compute_dtype)
-    master = 0 if cfg.compute_dtype == cfg.master_dtype else opt_numel * size(cfg.master_dtype)
+    offload = cfg.offload_optimizer is not None
+    shared = cfg.compute_dtype == cfg.master_dtype and not offload  # the master is a view of the compute copy
+    master = 0 if shared else opt_numel * size(cfg.master_dtype)
     grads = (lay.full_numel if cfg.stage < 2 else lay.arena_numel) * size(cfg.grad_accum_dtype)
-    plan = {"params": compute + master, "grads": grads, "optimizer": len(cfg.optimizer.slots) * opt_numel * size(cfg.moment_dtype)}
-    plan["total"] = sum(plan.values())
-    return plan
+    optimizer = len(cfg.optimizer.slots) * opt_numel * size(cfg.moment_dtype)
+    plan = {"params": compute + master, "grads": grads, "optimizer": optimizer}
+    return _totals(plan, master + optimizer if offload else 0)

@@ -136,7 +136,8 @@ class TrainState:
     """One rank's view of a training run.
 
     Attributes:
-        params: master parameters this rank owns (its arena; the full buffer at stage 0).
+        params: master parameters this rank owns (its arena; the full buffer at stage 0); in
+            host memory with ``Config.offload_optimizer``, like the optimizer state.
         compute: the compute-dtype parameters forward uses: the full padded flat buffer for
             stages 0-2, this rank's arena for stage 3. Aliases ``params`` when the dtypes agree.
         grads: the gradient accumulator: full for stages 0-1, this rank's arena for 2-3.
@@ -206,4 +207,5 @@ class TrainState:
 
     @property
     def device(self) -> torch.device:
-        return self.params.device
+        """The compute device (the master weights are on the host with ``Config.offload_optimizer``)."""
+        return self.compute.device

@@ -8,11 +8,13 @@ The one optimizer step of every stage, written so the algorithm reads plainly:
    makes every rank agree on both (and on the mean loss);
 3. clip: ``coef = min(1, clip / (norm + 1e-6))``, as `torch.nn.utils.clip_grad_norm_`;
 4. update: one fused pass unscales, clips, skips on overflow, applies Adam/AdamW and writes the
-   compute-dtype copy;
+   compute-dtype copy; with ``Config.offload_optimizer`` the gradient shard goes to the host,
+   the pass runs there on the host arena, and the new compute-dtype shard comes back;
 5. gather the updated compute parameters (stages 1-2);
 6. give every rank rank 0's buffers (BatchNorm statistics), as DDP's ``broadcast_buffers`` does.
 
-Nothing here reads a device value on the host.
+Nothing here reads a device value on the host, except under offload on a GPU (the host pass needs
+the step's scalars: one wait per step, as DeepSpeed's CPU Adam).
 """
 
 from __future__ import annotations
@@ -207,6 +209,12 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
         compute_out = compute
     else:  # this rank's slice of the full compute buffer, gathered below
         compute_out = master_view(compute, lay, state.stage)
+    target = compute_out
+    if cfg.offload_optimizer is not None:  # ZeRO-Offload: the pass runs on the host, where the state lives
+        pin = master.is_pinned()
+        grad = _host_copy(grad, pin)
+        lrs, inv_scale, clip_coef, skip = (t.cpu() for t in (lrs, inv_scale, clip_coef, skip))  # waits for grad
+        compute_out = torch.empty(target.shape, dtype=target.dtype, pin_memory=pin)
     # One fused pass per run of one parameter group (one run per group at stages 0-2).
     table = {name: getattr(state.hyper, name).tolist() for name in opt.live}  # on the host: no sync
     segments = lay.full_segments if state.stage == 0 else lay.arena_segments
@@ -221,6 +229,8 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
         opt.fused(part(master), part(grad), [part(s) for s in slots], scalars,
                   {name: values[g] for name, values in table.items()}, part(compute_out))
 
+    if compute_out is not target:  # the updated compute-dtype shard back to the device
+        target.copy_(compute_out, non_blocking=compute_out.is_pinned())
     # Gather the updated compute parameters where forward reads them in full.
     if state.stage in (1, 2):
         comm.all_gather_into(compute, master_view(compute, lay, state.stage).clone(), state.mesh.shard)
@@ -229,12 +239,17 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
     scaler = scaler_update(state.scaler, found_inf, cfg, state.step)
     metrics = Metrics(loss=agreed[-2] / agreed[-1],  # NaN when no loss is known (or none was run)
                       grad_norm=grad_norm, loss_scale=state.scaler.scale,
-                      skipped=skip, lr=lrs[lay.groups[0]])
+                      skipped=skip.to(state.device), lr=lrs[lay.groups[0]].to(state.device))
     return state.replace(params=master, compute=compute, grads=grads, buffers=_rank0_buffers(state),
                          opt=opt.state_class(**dict(zip(opt.slots, slots)), count=count), scaler=scaler,
                          step=state.step + 1,
                          micro_step=torch.zeros_like(state.micro_step), loss_sum=torch.zeros_like(state.loss_sum),
                          metrics=metrics)
+
+
+def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """A copy of ``t`` in host memory (page-locked and asynchronous when ``pin``)."""
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t, non_blocking=pin)
 
 
 def _rank0_buffers(state: TrainState) -> dict[str, torch.Tensor]:
