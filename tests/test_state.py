@@ -64,8 +64,9 @@ def test_memory_report_follows_the_zero_formula():
                 params = 4 * (shard if stage == 3 else padded)
                 grads = 4 * (padded if stage < 2 else shard)
                 moments = 8 * (padded if stage == 0 else shard)
+                total = params + grads + moments
                 assert rep == {"params": params, "grads": grads, "optimizer": moments,
-                               "total": params + grads + moments}, (world, stage, rep)
+                               "total": total, "device": total, "host": 0}, (world, stage, rep)
 
 
 class _Counting:
