@@ -26,6 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 from zfunc import comm
 from zfunc._tree import tree
+from zfunc.buckets import Bucket, ShardPool, bucket_views, plan_buckets
 from zfunc.cotangent import scale_tree
 from zfunc.gather import UnitGatherer, check_same_units
 from zfunc.layout import Layout
@@ -86,8 +87,18 @@ class ModuleBinding:
         self._frames: list[Any] = []
         # Stage-3 unit parameters by name, so the enclosing functional_call restores them.
         self.unit_params: dict[str, torch.Tensor] = {}
+        self._buckets: tuple[Bucket, ...] | None = None
         if stage == 3:
             self._install_unit_hooks()
+
+    def buckets(self, state: TrainState) -> tuple[Bucket, ...]:
+        """Stage 2's gradient buckets (`zfunc.buckets`), planned on first use."""
+        if self._buckets is None:
+            cfg = state.cfg
+            size = torch.empty((), dtype=cfg.reduce_dtype).element_size()
+            self._buckets = plan_buckets(self.layout, max(1, int(cfg.bucket_mb * 2**20) // size))
+            self._pool = ShardPool(self.layout.units[0].shard, cfg.reduce_dtype, state.device)
+        return self._buckets
 
     def _install_unit_hooks(self) -> None:
         modules = dict(self.module.named_modules())
@@ -261,9 +272,13 @@ class BoundModel:
             binding._latest = weakref.ref(gatherer)
         else:
             (unit,) = lay.units
-            full = comm.unit_params(self.sinks[0], None, state.compute, state.mesh.shard, cfg.reduce_dtype,
-                                    state.stage == 2)
-            tensors.update(lay.views(unit, full))
+            buckets = binding.buckets(state) if state.stage == 2 and state.mesh.shard.size > 1 else ()
+            if len(buckets) > 1:  # reduced bucket by bucket during backward
+                tensors.update(bucket_views(state, self.sinks[0], buckets, binding._pool))
+            else:
+                full = comm.unit_params(self.sinks[0], None, state.compute, state.mesh.shard, cfg.reduce_dtype,
+                                        state.stage == 2)
+                tensors.update(lay.views(unit, full))
             contexts = []
         if cfg.autocast is None and cfg.compute_dtype != torch.float32:
             # Like FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True): a low-precision model

@@ -21,12 +21,33 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["Group", "world", "all_reduce", "reduce_scatter", "all_gather", "broadcast",
-           "all_gather_object", "unit_params"]
+           "all_gather_object", "unit_params", "reduce_"]
 
 _OPS = {"sum": "SUM", "avg": "AVG", "max": "MAX", "min": "MIN"}
 
 # torch 2.13 renamed the flat collectives; the old names warn on every call. One place knows.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _all_gather_flat(out: torch.Tensor, x: torch.Tensor, group: Any = None) -> None:
+    """``out`` = every rank's ``x`` in rank order (``x`` may be this rank's slice of ``out``).
+
+    On gloo, one broadcast per rank, all in flight at once: gloo's flat all-gather takes about
+    twice as long as that on CPU (16.8M floats, 2 ranks: 67 ms against 37 ms). Other backends
+    (NCCL) run their own all-gather.
+    """
+    if dist.get_backend(group) != "gloo":
+        _all_gather_single(out, x, group=group)
+        return
+    n, me = x.numel(), dist.get_rank(group)
+    mine = out.narrow(0, me * n, n)
+    if mine.data_ptr() != x.data_ptr():
+        mine.copy_(x)
+    size = dist.get_world_size(group)
+    works = [dist.broadcast(out.narrow(0, r * n, n), dist.get_global_rank(group, r) if group is not None else r,
+                            group=group, async_op=True) for r in range(size)]
+    for w in works:
+        w.wait()
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -131,6 +152,34 @@ def all_reduce_(x: torch.Tensor, op: str = "sum", group: Group | None = None) ->
     return x
 
 
+class _Done:
+    """The handle of a collective that had nothing to do (a world of one)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def reduce_(x: torch.Tensor, dst: int, op: str = "sum", group: Group | None = None, *,
+            async_op: bool = False) -> Any:
+    """Reduce ``x`` over the ranks into rank ``dst``'s ``x``, in place (a rank within ``group``).
+
+    On the other ranks ``x`` is scratch afterwards. Returns a handle whose ``wait()`` returns once
+    the result is in place (at once without ``async_op``).
+
+    Examples:
+        >>> import torch, zfunc
+        >>> x = torch.tensor([1.0, 2.0])
+        >>> zfunc.comm.reduce_(x, 0).wait(), x.tolist()
+        (True, [1.0, 2.0])
+    """
+    group = group or world()
+    if group.size == 1:
+        return _Done()
+    global_dst = dst if group.pg is None else dist.get_global_rank(group.pg, dst)
+    work = dist.reduce(x, global_dst, op=_op(op), group=group.pg, async_op=async_op)
+    return work if async_op else _Done()
+
+
 def reduce_scatter(x: torch.Tensor, op: str = "sum", group: Group | None = None) -> torch.Tensor:
     """Reduce a flat ``x`` over the ranks; rank ``r`` gets slice ``r`` of ``size`` equal slices.
 
@@ -171,7 +220,8 @@ def all_gather(x: torch.Tensor, group: Group | None = None) -> torch.Tensor:
 
 
 def all_gather_into(out: torch.Tensor, x: torch.Tensor, group: Group) -> torch.Tensor:
-    """`all_gather` into a given flat buffer (for donated state); returns ``out``."""
+    """`all_gather` into a given flat buffer (for donated state); ``x`` may be this rank's own
+    slice of ``out`` (gathered in place). Returns ``out``."""
     if group.size == 1:
         if out.data_ptr() != x.data_ptr():
             out.copy_(x.reshape(-1))

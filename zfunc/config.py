@@ -61,6 +61,9 @@ class Config:
         offload_optimizer: ``"cpu"``: ZeRO-Offload. The master weights and optimizer state of
             this rank's shard live in host memory and the CPU kernel updates them; the compute
             device keeps only the compute copy and the gradients. ``None``: all on the device.
+        bucket_mb: stage 2: MiB of gradient (in ``reduce_dtype``) per bucket, reduced during
+            backward as soon as it is complete (DDP's ``bucket_cap_mb``): smaller buckets start
+            sooner and overlap more, at the cost of more, smaller collectives.
         offload_pin_memory: page-lock the host arena when the compute device is CUDA (faster,
             asynchronous copies; DeepSpeed's ``offload_optimizer.pin_memory``).
 
@@ -93,6 +96,7 @@ class Config:
     shard_size: int | None = None
     offload_optimizer: str | None = None
     offload_pin_memory: bool = True
+    bucket_mb: float = 25.0
 
     def __post_init__(self) -> None:
         check(self.stage in (0, 1, 2, 3) and not isinstance(self.stage, bool),
@@ -119,6 +123,8 @@ class Config:
         check(self.lr_schedule is None or callable(self.lr_schedule), "lr_schedule",
                "None or a callable step -> lr", self.lr_schedule)
         check(is_positive_int(self.align), "align", "a positive integer", self.align)
+        check(is_finite_number(self.bucket_mb) and self.bucket_mb > 0, "bucket_mb", "a number > 0 (MiB)",
+              self.bucket_mb)
         check(self.offload_optimizer in (None, "cpu"), "offload_optimizer",
               'None or "cpu" (host memory; NVMe is not supported)', self.offload_optimizer)
         check(isinstance(self.offload_pin_memory, bool), "offload_pin_memory", "True or False", self.offload_pin_memory)

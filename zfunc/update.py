@@ -233,7 +233,7 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
         target.copy_(compute_out, non_blocking=compute_out.is_pinned())
     # Gather the updated compute parameters where forward reads them in full.
     if state.stage in (1, 2):
-        comm.all_gather_into(compute, master_view(compute, lay, state.stage).clone(), state.mesh.shard)
+        comm.all_gather_into(compute, master_view(compute, lay, state.stage), state.mesh.shard)  # in place
 
     grads = state.grads.zero_() if donate else torch.zeros_like(state.grads)
     scaler = scaler_update(state.scaler, found_inf, cfg, state.step)

@@ -1,0 +1,193 @@
+"""Gradient buckets: stage 2 reduces gradients during backward, overlapped with the rest of it.
+
+At stages 0-2 the trainable parameters form one unit: one flat buffer of which rank ``r`` owns
+the contiguous slice ``r``. A *bucket* is a run of whole parameters of that buffer holding about
+``Config.bucket_mb`` of gradient. Buckets are cut from the end of the buffer, so backward
+completes them roughly in order, last layers first (DDP's buckets, DeepSpeed's ``overlap_comm``).
+
+In forward each bucket is its own autograd node (`_BucketParams`), so its backward runs as soon
+as its parameters' gradients are complete. It starts, asynchronously, one reduce per rank that
+owns part of the bucket, straight into that owner's place in a shard-sized result, and backward
+goes on computing. Every bucket feeds one collector node (`_Collect`), which autograd runs after
+the last bucket: it waits for the reductions and hands the shard to the sink, as the one-piece
+reduce-scatter does.
+
+Buckets start in a fixed order on every rank: a bucket whose node has not run yet holds back
+the ones after it, and the collector starts the buckets no gradient reached (parameters this
+rank did not use) with zeros. So every rank issues the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from zfunc import comm
+from zfunc.layout import Layout, Slot
+
+if TYPE_CHECKING:
+    from zfunc.state import TrainState
+
+__all__ = ["Bucket", "ShardPool", "plan_buckets", "bucket_views"]
+
+_IN_FLIGHT = 4  # reductions running at once (bounds the memory of non-owned bucket copies)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """Elements ``[start, stop)`` of the flat buffer: whole parameters (and the padding, for the
+    bucket at the end); ``pieces`` are ``(owner rank, start, stop)`` by owner."""
+
+    start: int
+    stop: int
+    slots: tuple[Slot, ...]
+    pieces: tuple[tuple[int, int, int], ...]
+
+
+def plan_buckets(layout: Layout, bucket_elements: int) -> tuple[Bucket, ...]:
+    """Buckets of about ``bucket_elements`` over a one-unit layout, the end of the buffer first.
+
+    Examples:
+        >>> from zfunc.layout import make_layout
+        >>> lay = make_layout([[("a", (4,)), ("b", (4,)), ("c", (2,))]], world=2, rank=0, align=1)
+        >>> [(b.start, b.stop, [s.name for s in b.slots], b.pieces) for b in plan_buckets(lay, 6)]
+        [(4, 10, ['b', 'c'], ((0, 4, 5), (1, 5, 10))), (0, 4, ['a'], ((0, 0, 4),))]
+    """
+    (unit,) = layout.units
+    groups: list[list[Slot]] = []
+    size = 0
+    for s in reversed(unit.slots):
+        if groups and size + s.numel <= bucket_elements:
+            groups[-1].insert(0, s)
+            size += s.numel
+        else:
+            groups.append([s])
+            size = s.numel
+    out = []
+    for i, slots in enumerate(groups):
+        start = slots[0].offset
+        stop = unit.padded if i == 0 else slots[-1].offset + slots[-1].numel
+        pieces = tuple((r, max(start, r * unit.shard), min(stop, (r + 1) * unit.shard))
+                       for r in range(layout.world) if max(start, r * unit.shard) < min(stop, (r + 1) * unit.shard))
+        out.append(Bucket(start=start, stop=stop, slots=tuple(slots), pieces=pieces))
+    return tuple(out)
+
+
+class ShardPool:
+    """Shard-sized result buffers kept between backward passes (a large buffer allocated afresh
+    every step costs a page fault per page on the CPU)."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
+        self.numel, self.dtype, self.device = numel, dtype, device
+        self.free: list[torch.Tensor] = []
+
+    def take(self) -> torch.Tensor:
+        return self.free.pop() if self.free else torch.empty(self.numel, dtype=self.dtype, device=self.device)
+
+    def give(self, t: torch.Tensor) -> None:
+        self.free.append(t)
+
+
+class _Reducer:
+    """One backward's reductions: started in bucket order, waited for by the collector."""
+
+    def __init__(self, state: TrainState, buckets: tuple[Bucket, ...], pool: ShardPool):
+        self.buckets, self.state, self.pool = buckets, state, pool
+        self.group = state.mesh.shard
+        self.dtype = state.cfg.reduce_dtype
+        self._reset()
+
+    def _reset(self) -> None:
+        self.ready: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self.next = 0
+        self.works: collections.deque = collections.deque()
+        self.out: torch.Tensor | None = None
+
+    def arrived(self, k: int, grad: torch.Tensor) -> None:
+        self.ready[k] = grad
+        while self.next < len(self.buckets) and self.ready[self.next] is not None:
+            self._start(self.next)
+            self.next += 1
+
+    def _start(self, k: int) -> None:
+        b, grad = self.buckets[k], self.ready[k]
+        self.ready[k] = None
+        lay = self.state.layout
+        (unit,) = lay.units
+        if self.out is None:
+            self.out = self.pool.take()
+        for owner, start, stop in b.pieces:
+            piece = grad.narrow(0, start - b.start, stop - start)
+            if owner == self.group.rank:  # reduced straight into its place in this rank's shard
+                buf = self.out.narrow(0, start - owner * unit.shard, stop - start).copy_(piece)
+            else:  # a copy of our own: the reduce uses it as scratch
+                buf = piece.to(self.dtype, copy=True)
+            self.works.append((comm.reduce_(buf, owner, "sum", self.group, async_op=True), buf))
+        while len(self.works) > _IN_FLIGHT:
+            self.works.popleft()[0].wait()
+
+    def finish(self) -> torch.Tensor:
+        """Start what no gradient reached (with zeros), wait for all, and return the shard."""
+        for k in range(self.next, len(self.buckets)):
+            b = self.buckets[k]
+            if self.ready[k] is None:
+                self.ready[k] = torch.zeros(b.stop - b.start, dtype=self.dtype, device=self.state.device)
+            self._start(k)
+        while self.works:
+            self.works.popleft()[0].wait()
+        out = self.out
+        # Back to the pool once autograd has added it to the sink, at the end of this backward.
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self.pool.give(out))
+        self._reset()  # a second backward over the same graph (retain_graph) starts afresh
+        return out
+
+
+class _Collect(torch.autograd.Function):
+    """The node every bucket feeds; its backward delivers this rank's reduced shard to the sink."""
+
+    @staticmethod
+    def forward(sink: torch.Tensor, reducer: _Reducer) -> torch.Tensor:
+        return torch.zeros((), dtype=torch.float32, device=sink.device)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.reducer, ctx.sink_dtype = inputs[1], inputs[0].dtype
+
+    @staticmethod
+    def backward(ctx: Any, _: torch.Tensor) -> tuple:
+        return ctx.reducer.finish().to(ctx.sink_dtype), None
+
+
+class _BucketParams(torch.autograd.Function):
+    """A bucket's parameters (a view of the compute buffer); its backward starts the reduce."""
+
+    @staticmethod
+    def forward(hub: torch.Tensor, flat: torch.Tensor, reducer: _Reducer, k: int) -> torch.Tensor:
+        return flat.view_as(flat)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.reducer, ctx.k = inputs[2], inputs[3]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        ctx.reducer.arrived(ctx.k, grad)
+        return torch.zeros((), dtype=torch.float32, device=grad.device), None, None, None
+
+
+def bucket_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, ...],
+                 pool: ShardPool) -> dict[str, torch.Tensor]:
+    """Parameter views of ``state.compute`` whose gradients reach ``sink`` bucket by bucket."""
+    reducer = _Reducer(state, buckets, pool)
+    hub = _Collect.apply(sink, reducer)
+    views: dict[str, torch.Tensor] = {}
+    for k, b in enumerate(buckets):
+        full = _BucketParams.apply(hub, state.compute.narrow(0, b.start, b.stop - b.start), reducer, k)
+        sizes = [s.numel for s in b.slots]
+        pad = full.numel() - sum(sizes)
+        parts = torch.split(full, sizes + [pad] if pad else sizes)
+        views.update({s.name: p.view(s.shape) for s, p in zip(b.slots, parts)})
+    return views
