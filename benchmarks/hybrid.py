@@ -7,8 +7,8 @@ ranks with one torch thread each, every contender built in the same processes an
 interleaved round-robin (background load hits all alike).
 
 Traffic is counted by wrapping the collectives of ``zfunc.comm`` in this process: each call adds
-its payload (all-reduce and broadcast: the tensor; reduce-scatter: its input; all-gather: its
-output) to the group it ran over. A group *crosses nodes* when its ranks sit on more than one
+its payload (all-reduce, reduce and broadcast: the tensor; reduce-scatter: its input; all-gather:
+its output) to the group it ran over (a collective built of others counts once). A group *crosses nodes* when its ranks sit on more than one
 node (node = rank // 2). Per step and rank the table shows the payload bytes over groups inside
 one node and over groups crossing nodes; the design promises that hybrid sharding moves only one
 all-reduce of a 1/shard_size gradient shard across nodes per step, where flat ZeRO moves all of
@@ -51,11 +51,18 @@ def _crosses(group: comm.Group) -> bool:
     return len({r // PER_NODE for r in ranks}) > 1
 
 
+_DEPTH = [0]  # a collective built of others (reduce_scatter_ of reduce_) counts once, outermost
+
+
 def _counted(name: str, fn, payload):
     def wrapper(*args: Any, **kwargs: Any):
-        out = fn(*args, **kwargs)
+        _DEPTH[0] += 1
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            _DEPTH[0] -= 1
         group = next((x for x in (*args, *kwargs.values()) if isinstance(x, comm.Group)), None) or comm.world()
-        if _COUNTING[0] and group.size > 1:
+        if _COUNTING[0] and group.size > 1 and _DEPTH[0] == 0:
             _COUNTS[(_crosses(group), name)] += payload(args, out)
         return out
     return wrapper
@@ -66,6 +73,8 @@ def _install_counters() -> None:
     comm.all_reduce = _counted("all_reduce", comm.all_reduce, lambda a, o: size(o))
     comm.all_reduce_ = _counted("all_reduce", comm.all_reduce_, lambda a, o: size(o))
     comm.reduce_scatter = _counted("reduce_scatter", comm.reduce_scatter, lambda a, o: size(a[0]))
+    comm.reduce_scatter_ = _counted("reduce_scatter", comm.reduce_scatter_, lambda a, o: size(a[0]))
+    comm.reduce_ = _counted("reduce", comm.reduce_, lambda a, o: size(a[0]))
     comm.all_gather = _counted("all_gather", comm.all_gather, lambda a, o: size(o))
     comm.all_gather_into = _counted("all_gather_into", comm.all_gather_into, lambda a, o: size(o))
     comm.broadcast = _counted("broadcast", comm.broadcast, lambda a, o: size(o))

@@ -129,6 +129,8 @@ def _reduce(state: TrainState, donate: bool) -> torch.Tensor:
         wire = grads.to(cfg.reduce_dtype)
         if state.stage == 0:
             out = comm.all_reduce_(wire if (donate or wire is not grads) else wire.clone(), "sum", mesh.world)
+        elif donate or wire is not grads:  # the donated buffer (or its cast copy) is scratch
+            out = comm.reduce_scatter_(wire, "sum", mesh.shard)
         else:
             out = comm.reduce_scatter(wire, "sum", mesh.shard)
         grads, donate = out.to(cfg.grad_accum_dtype), True  # a new buffer: free to reduce in place
