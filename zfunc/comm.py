@@ -180,6 +180,13 @@ def reduce_(x: torch.Tensor, dst: int, op: str = "sum", group: Group | None = No
     return work if async_op else _Done()
 
 
+def _slice_len(x: torch.Tensor, group: Group, what: str) -> int:
+    if x.numel() % group.size:
+        raise ValueError(f"{what}: {x.numel()} elements do not divide by the group size {group.size}; pad the "
+                         "buffer to a multiple of it")
+    return x.numel() // group.size
+
+
 _CHUNK = 1 << 22  # elements per reduce when a reduce-scatter is built of reduces
 
 
@@ -196,13 +203,10 @@ def reduce_scatter_(x: torch.Tensor, op: str = "sum", group: Group | None = None
         [0.0, 1.0, 2.0, 3.0]
     """
     group = group or world()
-    x = x.reshape(-1)
     if group.size == 1 or dist.get_backend(group.pg) != "gloo":
         return reduce_scatter(x, op, group)
-    if x.numel() % group.size or not x.is_contiguous():
-        raise ValueError(f"reduce_scatter_: {x.numel()} elements must divide by the group size {group.size} "
-                         "and be contiguous")
-    n = x.numel() // group.size
+    x = x.reshape(-1).contiguous()
+    n = _slice_len(x, group, "reduce_scatter_")
     works = [reduce_(x.narrow(0, r * n + i, min(_CHUNK, n - i)), r, op, group, async_op=True)
              for r in range(group.size) for i in range(0, n, _CHUNK)]
     for w in works:
@@ -222,12 +226,10 @@ def reduce_scatter(x: torch.Tensor, op: str = "sum", group: Group | None = None)
     """
     group = group or world()
     x = x.reshape(-1)
-    if x.numel() % group.size:
-        raise ValueError(f"reduce_scatter: {x.numel()} elements do not divide by the group size "
-                         f"{group.size}; pad the buffer to a multiple of it")
+    n = _slice_len(x, group, "reduce_scatter")
     if group.size == 1:
         return x.clone()
-    out = x.new_empty(x.numel() // group.size)
+    out = x.new_empty(n)
     _reduce_scatter_flat(out, x.contiguous(), op=_op(op), group=group.pg)
     return out
 
