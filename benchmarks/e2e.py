@@ -86,8 +86,9 @@ def _maxrss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def _batches(rank: int, n: int) -> list[dict[str, torch.Tensor]]:
-    """``n`` steps' batches for ``rank``: one fixed synthetic batch per rank, reused every step.
+def _batches(rank: int, n: int, accum: int = 1) -> list[list[dict[str, torch.Tensor]]]:
+    """``n`` steps' micro-batches for ``rank`` (``accum`` per step): one fixed synthetic batch
+    per rank, reused for every micro-batch.
 
     The same for every contender. Reusing it lets the model memorise it, so the loss falls
     steeply within a few steps and the final losses are a sharp check that all contenders
@@ -96,7 +97,7 @@ def _batches(rank: int, n: int) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(1234 + rank)
     tokens = torch.randint(0, MODEL["vocab_size"], (MICRO_BATCH, SEQ + 1), generator=g)
     batch = {"x": tokens[:, :-1].contiguous(), "y": tokens[:, 1:].contiguous()}
-    return [batch] * n
+    return [[batch] * accum] * n
 
 
 def _build_model() -> torch.nn.Module:
@@ -147,7 +148,7 @@ def _adamw(params: list[torch.Tensor], kind: str) -> tuple[torch.optim.Optimizer
 # Each setup returns (step_fn, info) where step_fn(batch) -> (t_fwd_bwd_end,) runs one full step
 # and info() -> dict with "state_bytes", "loss" (last step's loss, averaged over ranks), "note".
 
-def _setup_ddp(precision: str):
+def _setup_ddp(precision: str, accum: int):
     from torch.nn.parallel import DistributedDataParallel as DDP
     model = _build_model()
     ddp = DDP(model)
@@ -159,15 +160,16 @@ def _setup_ddp(precision: str):
         return contextlib.nullcontext()
     last = {}
 
-    def step(batch):
+    def step(mbs):
         opt.zero_grad(set_to_none=True)
-        with ctx():
-            loss = lm_loss(ddp, batch)
-        loss.backward()
+        for i, mb in enumerate(mbs):  # no all-reduce until the last micro-batch
+            with ctx(), (ddp.no_sync() if i < len(mbs) - 1 else contextlib.nullcontext()):
+                loss = lm_loss(ddp, mb) / len(mbs)
+                loss.backward()
         t_mid = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(params, CLIP, foreach=True)
         opt.step()
-        last["loss"] = loss.detach()
+        last["loss"] = loss.detach() * len(mbs)
         return t_mid
 
     def info():
@@ -178,7 +180,7 @@ def _setup_ddp(precision: str):
     return step, info
 
 
-def _setup_fsdp2(precision: str):
+def _setup_fsdp2(precision: str, accum: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     model = _build_model()
@@ -192,14 +194,16 @@ def _setup_fsdp2(precision: str):
     opt, how = _adamw(params, "dtensor")
     last = {}
 
-    def step(batch):
+    def step(mbs):
         opt.zero_grad(set_to_none=True)
-        loss = lm_loss(model, batch)
-        loss.backward()
+        for i, mb in enumerate(mbs):  # reduce-scatter only after the last micro-batch
+            model.set_requires_gradient_sync(i == len(mbs) - 1)
+            loss = lm_loss(model, mb) / len(mbs)
+            loss.backward()
         t_mid = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(params, CLIP, foreach=True)
         opt.step()
-        last["loss"] = loss.detach()
+        last["loss"] = loss.detach() * len(mbs)
         return t_mid
 
     def info():
@@ -210,18 +214,20 @@ def _setup_fsdp2(precision: str):
     return step, info
 
 
-def _setup_zfunc(stage: int, precision: str):
+def _setup_zfunc(stage: int, precision: str, accum: int):
     from zfunc.models.gpt import Block
     model = _build_model()
-    cfg = zfunc.Config(stage=stage, precision=precision, clip=CLIP, grad_accum=1,
+    cfg = zfunc.Config(stage=stage, precision=precision, clip=CLIP, grad_accum=accum,
                        optimizer=zfunc.adamw(lr=LR, weight_decay=WD),
                        units=(Block,) if stage == 3 else None)
     box = {"state": zfunc.init(model, cfg, donate=True)}  # the module runs only through zfunc
 
-    # zfunc.train_step(lm_loss) is exactly this for grad_accum=1 (it donates too); calling the
-    # two halves directly lets the benchmark time them separately.
-    def step(batch):
-        state, _ = zfunc.backward_step(box["state"], lm_loss, batch, donate=True)
+    # zfunc.train_step(lm_loss) is exactly this (it donates too); calling the two halves
+    # directly lets the benchmark time them separately.
+    def step(mbs):
+        state = box["state"]
+        for mb in mbs:
+            state, _ = zfunc.backward_step(state, lm_loss, mb, donate=True)
         t_mid = time.perf_counter()
         box["state"] = zfunc.apply_step(state, donate=True)
         return t_mid
@@ -239,16 +245,19 @@ def _setup_zfunc(stage: int, precision: str):
     return step, info
 
 
-def _setup_engine(stage: int, precision: str):
+def _setup_engine(stage: int, precision: str, accum: int):
     """The DeepSpeed-style shim over the same pure functions: engine(x), backward, step."""
     model = _build_model()
-    ds = {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": CLIP,
+    ds = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": accum, "gradient_clipping": CLIP,
           "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
           "zero_optimization": {"stage": stage}, "bf16": {"enabled": precision == "bf16"}}
     engine, *_ = zfunc.initialize(model=model, config=ds)
 
-    def step(batch):
-        engine.backward(lm_loss(engine, batch))
+    def step(mbs):
+        for mb in mbs[:-1]:
+            engine.backward(lm_loss(engine, mb))
+            engine.step()
+        engine.backward(lm_loss(engine, mbs[-1]))
         t_mid = time.perf_counter()
         engine.step()
         engine.state.metrics.loss.item()  # the same sync the functional contender has in info
@@ -278,7 +287,7 @@ def _tensor_bytes(obj: Any, seen: dict[int, int], depth: int = 0) -> None:
             _tensor_bytes(v, seen, depth + 1)
 
 
-def _setup_deepspeed(stage: int, precision: str):
+def _setup_deepspeed(stage: int, precision: str, accum: int):
     """DeepSpeed's own engine (ZeRO stage 1-3) in the same gloo world."""
     import deepspeed
 
@@ -287,15 +296,18 @@ def _setup_deepspeed(stage: int, precision: str):
         os.environ.setdefault(key, str(value))  # what a launcher would set; DeepSpeed asserts on them
     deepspeed.init_distributed(dist_backend="gloo")  # the world zfunc.launch made is reused
     model = _build_model()
-    ds = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
+    ds = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": accum,
           "gradient_clipping": CLIP, "zero_optimization": {"stage": stage},
           "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "torch_adam": True}},
           "bf16": {"enabled": precision == "bf16"}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
     last = {}
 
-    def step(batch):
-        loss = lm_loss(engine, batch)
+    def step(mbs):
+        for mb in mbs[:-1]:
+            engine.backward(lm_loss(engine, mb))
+            engine.step()
+        loss = lm_loss(engine, mbs[-1])
         engine.backward(loss)
         t_mid = time.perf_counter()
         engine.step()
@@ -317,17 +329,17 @@ def _setup_deepspeed(stage: int, precision: str):
     return step, info
 
 
-def _setup(name: str, precision: str):
+def _setup(name: str, precision: str, accum: int):
     if name.startswith("ds"):
-        return _setup_deepspeed(int(name[2:]), precision)
+        return _setup_deepspeed(int(name[2:]), precision, accum)
     if name.startswith("engine"):
-        return _setup_engine(int(name[6:]), precision)
+        return _setup_engine(int(name[6:]), precision, accum)
     if name == "ddp":
-        return _setup_ddp(precision)
+        return _setup_ddp(precision, accum)
     if name == "fsdp2":
-        return _setup_fsdp2(precision)
+        return _setup_fsdp2(precision, accum)
     if name.startswith("zero"):
-        return _setup_zfunc(int(name[4:]), precision)
+        return _setup_zfunc(int(name[4:]), precision, accum)
     raise ValueError(f"unknown contender {name!r}; expected one of {CONTENDERS}")
 
 
@@ -353,12 +365,12 @@ def _profiled(kind: str, fn, rows: int) -> str:
 
 
 def run_rank(rank: int, name: str, precision: str, warmup: int, steps: int,
-             profile: str | None, profile_steps: int, rows: int) -> dict[str, Any]:
+             profile: str | None, profile_steps: int, rows: int, accum: int = 1) -> dict[str, Any]:
     torch.set_num_threads(1)
-    batches = _batches(rank, warmup + steps)
+    batches = _batches(rank, warmup + steps, accum)
     _build_model()  # a throwaway build, so that the baseline below includes a built model
     base_rss = _maxrss_bytes()
-    step, info = _setup(name, precision)
+    step, info = _setup(name, precision, accum)
     setup_rss = _maxrss_bytes()
     for b in batches[:warmup]:
         step(b)
@@ -390,15 +402,15 @@ def run_rank(rank: int, name: str, precision: str, warmup: int, steps: int,
 
 
 def run_rank_interleaved(rank: int, names: list[str], precision: str, warmup: int,
-                         steps: int) -> dict[str, dict[str, Any]]:
+                         steps: int, accum: int = 1) -> dict[str, dict[str, Any]]:
     """All ``names`` in one world, their steps alternating (round-robin, rotating the order).
 
     Background load on a shared machine then hits every contender alike, so the time ratios are
     robust; peak RSS is meaningless here (every contender is alive at once) and is not reported.
     """
     torch.set_num_threads(1)
-    batches = _batches(rank, warmup + steps)
-    runs = {n: _setup(n, precision) for n in names}
+    batches = _batches(rank, warmup + steps, accum)
+    runs = {n: _setup(n, precision, accum) for n in names}
     rec = {n: {"times": [], "fwdbwd": [], "cpu": [], "threads": set()} for n in names}
     for b in batches[:warmup]:
         for n in names:
@@ -481,6 +493,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--only", default=",".join(CONTENDERS),
                    help=f"comma-separated contenders (default all: {','.join(CONTENDERS)})")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default 1)")
     p.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed warmup steps (default 2)")
     p.add_argument("--profile", choices=["torch", "cprofile"], default=None,
@@ -510,13 +523,14 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
           f"{WORLD} ranks x 1 thread (gloo), zfunc {zfunc.__version__}, "
           f"zfunc_kernels from {os.path.dirname(zfunc_kernels.__file__)}", flush=True)
     print(f"GPT {MODEL}, seq {SEQ}, micro-batch {MICRO_BATCH}/rank, AdamW lr {LR} wd {WD}, clip {CLIP}, "
-          f"{args.precision}, warmup {args.warmup}, timed steps {args.steps}", flush=True)
+          f"{args.precision}, grad_accum {args.grad_accum}, warmup {args.warmup}, timed steps {args.steps}",
+          flush=True)
     print(ds, flush=True)
     results: dict[str, dict[str, Any]] = {}
     if args.interleave and not args.profile:
         t0 = time.perf_counter()
         per_rank = zfunc.launch(run_rank_interleaved, world_size=WORLD, threads=1, timeout=3600,
-                                args=(names, args.precision, args.warmup, args.steps))
+                                args=(names, args.precision, args.warmup, args.steps, args.grad_accum))
         print(f"interleaved: all contenders in one world, steps alternating "
               f"[{time.perf_counter() - t0:.0f} s]; RSS columns are not measured in this mode", flush=True)
         results = {n: _summarise([r[n] for r in per_rank]) for n in names}
@@ -525,7 +539,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
         t0 = time.perf_counter()
         per_rank = zfunc.launch(run_rank, world_size=WORLD, threads=1, timeout=1800,
                                 args=(name, args.precision, args.warmup, args.steps,
-                                      args.profile, args.profile_steps, args.rows))
+                                      args.profile, args.profile_steps, args.rows, args.grad_accum))
         if args.profile:
             print(f"\n===== {name}: {args.profile} profile of rank 0, {args.profile_steps} steps "
                   f"({per_rank[0]['seconds']:.2f} s) =====\n{per_rank[0]['profile']}", flush=True)

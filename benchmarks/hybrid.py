@@ -97,7 +97,7 @@ def run_rank(rank: int, stages: list[int], precision: str, warmup: int, steps: i
     _install_counters()
     names = [(f"zero{s}{'-hybrid' if k else ''}", s, k) for s in stages for k in (None, PER_NODE)]
     runs = {n: _setup(s, k, precision) for n, s, k in names}
-    batches = _batches(rank, warmup + steps)
+    batches = [mbs[0] for mbs in _batches(rank, warmup + steps)]
     rec: dict[str, dict[str, Any]] = {n: {"times": [], "bytes": collections.Counter()} for n, _, _ in names}
     for b in batches[:warmup]:
         for n, _, _ in names:
