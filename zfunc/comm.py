@@ -305,31 +305,35 @@ class _UnitParams(torch.autograd.Function):
 
     @staticmethod
     def forward(sink: torch.Tensor, shard: torch.Tensor | None, full: torch.Tensor | None,
-                group: Group, reduce_dtype: torch.dtype, scatter: bool) -> torch.Tensor:
+                group: Group, reduce_dtype: torch.dtype, scatter: bool, fresh_grad: bool) -> torch.Tensor:
         if full is None:
             return all_gather(shard, group)
         return full.view_as(full)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        sink, _, _, ctx.group, ctx.reduce_dtype, ctx.scatter = inputs
+        sink, _, _, ctx.group, ctx.reduce_dtype, ctx.scatter, ctx.fresh = inputs
         ctx.sink_dtype = sink.dtype
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         if ctx.scatter:
             wire = grad.to(ctx.reduce_dtype)  # a new tensor of ours when cast: usable as scratch
-            grad = reduce_scatter_(wire, "sum", ctx.group) if wire is not grad else reduce_scatter(wire, "sum", ctx.group)
-        return grad.to(ctx.sink_dtype), None, None, None, None, None
+            scratch = ctx.fresh or wire is not grad
+            grad = (reduce_scatter_ if scratch else reduce_scatter)(wire, "sum", ctx.group)
+        return grad.to(ctx.sink_dtype), None, None, None, None, None, None
 
 
 def unit_params(sink: torch.Tensor, shard: torch.Tensor | None, full: torch.Tensor | None,
-              group: Group, reduce_dtype: torch.dtype, scatter: bool) -> torch.Tensor:
+              group: Group, reduce_dtype: torch.dtype, scatter: bool, *, fresh_grad: bool = False) -> torch.Tensor:
     """A unit's full flat parameters, differentiable with respect to ``sink``.
 
     ``full=None`` all-gathers ``shard`` in forward (ZeRO-3). With ``scatter`` the backward is a
     sum reduce-scatter (the transpose of all-gather), so ``sink`` receives this rank's shard of
     the gradient summed over ranks; without it ``sink`` receives the full local gradient.
+    ``fresh_grad``: the caller guarantees the incoming gradient is a new tensor nothing else
+    holds (the output is only split into two or more parameters, whose backward concatenates),
+    so the reduce-scatter may use it as scratch.
 
     Examples:
         >>> import torch, zfunc
@@ -340,7 +344,7 @@ def unit_params(sink: torch.Tensor, shard: torch.Tensor | None, full: torch.Tens
         >>> sink.grad.tolist()
         [0.0, 2.0, 4.0, 6.0]
     """
-    return _UnitParams.apply(sink, shard, full, group, reduce_dtype, scatter)
+    return _UnitParams.apply(sink, shard, full, group, reduce_dtype, scatter, fresh_grad)
 
 
 _DEPRECATED = {"bind_unit": ("unit_params", "0.3")}

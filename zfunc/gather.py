@@ -96,7 +96,8 @@ class UnitGatherer:
     def gather(self, i: int) -> torch.Tensor:
         """Unit ``i`` in full, differentiable: its backward reduce-scatters into sink ``i``."""
         st = self.state
-        full = comm.unit_params(self.sinks[i], self._shard(i), None, st.mesh.shard, st.cfg.reduce_dtype, True)
+        full = comm.unit_params(self.sinks[i], self._shard(i), None, st.mesh.shard, st.cfg.reduce_dtype, True,
+                                fresh_grad=st.layout.splits(st.layout.units[i]) > 1)
         return _count_bytes(full)
 
     def regather(self, i: int) -> torch.Tensor:
