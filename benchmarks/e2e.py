@@ -11,6 +11,8 @@ Contenders (``--only`` picks a comma-separated subset):
 * ``ddp``    DistributedDataParallel + torch.optim.AdamW (fused=True where it runs, else foreach)
 * ``fsdp2``  torch.distributed.fsdp.fully_shard per block + root, + AdamW
 * ``zero0`` .. ``zero3``  zfunc ZeRO stage 0..3 (stage 3 gathers one unit per transformer block)
+* ``offload1`` .. ``offload3``  the same with ``offload_optimizer="cpu"`` (on this CPU machine the
+  host arena is a second copy in the same memory: the cost of the copies, not of a PCIe link)
 * ``ds1`` .. ``ds3``  DeepSpeed's engine, ZeRO stage 1..3 (torch AdamW inside, ``torch_adam``), when
   ``import deepspeed`` works; run this script with the DeepSpeed venv's python (recipe below)
 
@@ -77,7 +79,8 @@ SEQ = 128
 MICRO_BATCH = 8
 WORLD = 2
 LR, WD, CLIP = 1e-3, 0.01, 1.0
-CONTENDERS = ["ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3", "engine2", "ds1", "ds2", "ds3"]
+CONTENDERS = ["ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3", "engine2", "offload1", "offload2", "offload3",
+              "ds1", "ds2", "ds3"]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -214,10 +217,10 @@ def _setup_fsdp2(precision: str, accum: int):
     return step, info
 
 
-def _setup_zfunc(stage: int, precision: str, accum: int):
+def _setup_zfunc(stage: int, precision: str, accum: int, offload: str | None = None):
     from zfunc.models.gpt import Block
     model = _build_model()
-    cfg = zfunc.Config(stage=stage, precision=precision, clip=CLIP, grad_accum=accum,
+    cfg = zfunc.Config(stage=stage, precision=precision, clip=CLIP, grad_accum=accum, offload_optimizer=offload,
                        optimizer=zfunc.adamw(lr=LR, weight_decay=WD),
                        units=(Block,) if stage == 3 else None)
     box = {"state": zfunc.init(model, cfg, donate=True)}  # the module runs only through zfunc
@@ -340,6 +343,8 @@ def _setup(name: str, precision: str, accum: int):
         return _setup_fsdp2(precision, accum)
     if name.startswith("zero"):
         return _setup_zfunc(int(name[4:]), precision, accum)
+    if name.startswith("offload"):
+        return _setup_zfunc(int(name[7:]), precision, accum, offload="cpu")
     raise ValueError(f"unknown contender {name!r}; expected one of {CONTENDERS}")
 
 
@@ -500,6 +505,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="instead of timing, profile rank 0 for --profile-steps steps after warmup")
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--rows", type=int, default=30, help="rows of profiler output")
+    p.add_argument("--json", default=None, help="also write the summary to this JSON file (for plot.py)")
     p.add_argument("--interleave", action="store_true",
                    help="run all contenders in one world with their steps alternating (robust time "
                         "ratios on a loaded machine; no RSS numbers)")
@@ -562,6 +568,13 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
             c = results["engine2"]["cpu"] / results["zero2"]["cpu"]
             print(f"goal (engine shim <= 1.02x the functional ZeRO-2 step): wall {q:.2f}x -> "
                   f"{'MET' if q <= 1.02 else 'NOT MET'} (CPU time per step {c:.2f}x)")
+    if args.json and results:
+        import json
+        with open(args.json, "w") as f:
+            json.dump({"precision": args.precision, "grad_accum": args.grad_accum, "steps": args.steps,
+                       "results": {n: {k: r[k] for k in ("median", "min", "max", "cpu", "fwdbwd", "opt", "loss")}
+                                   | {"state_mib": r["state"][0]["total"] / 2**20} for n, r in results.items()}},
+                      f, indent=1)
     return results
 
 
