@@ -24,11 +24,13 @@ def _cfg(stage: int, grad_accum: int, shard_size: int | None, **kw) -> zfunc.Con
                         optimizer=zfunc.adamw(lr=1e-2, weight_decay=0.01), **kw)
 
 
-def _fp32_parity(rank: int, shard_size: int, cases: list[tuple[str, int, int]]) -> list[tuple]:
+def _fp32_parity(rank: int, shard_size: int, cases: list[tuple]) -> list[tuple]:
+    """``cases``: ``(model, stage, grad_accum)``, or with a fourth entry, ``bucket_mb``."""
     world = zfunc.comm.world().size
     out = []
-    for name, stage, grad_accum in cases:
-        state, norms = zfunc_run(rank, name, STEPS, _cfg(stage, grad_accum, shard_size))
+    for name, stage, grad_accum, *bucket_mb in cases:
+        kw = {"bucket_mb": bucket_mb[0]} if bucket_mb else {}
+        state, norms = zfunc_run(rank, name, STEPS, _cfg(stage, grad_accum, shard_size, **kw))
         ref, ref_norms = reference_run(name, world, STEPS, grad_accum=grad_accum, clip=1.0)
         # The ranks holding the same shard (one per replica) hold the same bytes.
         shard = zfunc.comm.all_gather_object([t.clone() for t in (state.params, state.opt.mu, state.opt.nu)])
@@ -52,6 +54,7 @@ def _check_fp32(results: list[list[tuple]], shard_size: int) -> None:
 
 def test_world4_shard2_matches_single_process_adamw():
     cases = [("zoo", s, ga) for s in (1, 2, 3) for ga in (1, 4)] + [("gpt", 3, 4), ("gpt", 2, 1)]
+    cases += [("zoo", 2, 4, 0.0002), ("gpt", 2, 1, 0.0002)]  # stage 2's gradient buckets within the shard group
     _check_fp32(run_ranks(_fp32_parity, 4, 2, cases), 2)
 
 
@@ -59,13 +62,14 @@ def test_world4_shard1_is_replicated_data_parallel():
     _check_fp32(run_ranks(_fp32_parity, 4, 1, [("zoo", 2, 4)]), 1)
 
 
-def _bf16_autocast(rank: int, stage: int, shard_size: int) -> tuple[list[float], list[float]]:
-    return autocast_losses(rank, _cfg(stage, 2, shard_size, autocast=torch.bfloat16))
+def _bf16_autocast(rank: int, stage: int, grad_accum: int, shard_size: int) -> tuple[list[float], list[float]]:
+    return autocast_losses(rank, _cfg(stage, grad_accum, shard_size, autocast=torch.bfloat16))
 
 
+@pytest.mark.parametrize("grad_accum", [1, 4])
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_world4_shard2_bf16_autocast_matches_torch(stage):
-    for ours, theirs in run_ranks(_bf16_autocast, 4, stage, 2):
+def test_world4_shard2_bf16_autocast_matches_torch(stage, grad_accum):
+    for ours, theirs in run_ranks(_bf16_autocast, 4, stage, grad_accum, 2):
         assert ours == pytest.approx(theirs, rel=1e-2), (ours, theirs)
 
 
@@ -81,6 +85,34 @@ def _bf16_hybrid_vs_flat(rank: int) -> float:
 def test_world4_shard2_bf16_weights_track_flat_sharding():
     for diff in run_ranks(_bf16_hybrid_vs_flat, 4):
         assert diff < 5e-3, diff  # bf16 sums in another order: a few ulps of bf16 at most
+
+
+def test_world4_shard2_overflow_on_one_rank_skips_everywhere():
+    from tests.test_precision import _inject
+
+    for stage in (1, 2, 3):  # only rank 3 overflows: its shard's twin (rank 1) sees it after the all-reduce
+        for rank, r in enumerate(run_ranks(_inject, 4, stage, "fp16", float("inf"), 2)):
+            assert r["unchanged"] and r["skipped"] == 1 and r["scale"] == 128.0, (stage, rank, r)
+
+
+def _engine_hybrid(rank: int, stage: int) -> tuple[float, int]:
+    make, loss_fn, batch_fn = MODELS["zoo"]
+    torch.manual_seed(0)
+    engine, *_ = zfunc.initialize(model=make(), config={
+        "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage, "mics_shard_size": 2}})
+    for i in range(STEPS):
+        engine.backward(loss_fn(engine, batch_fn(i, rank, 4)))
+        engine.step()
+    ref, _ = reference_run("zoo", zfunc.comm.world().size, STEPS, grad_accum=1, clip=1.0, micro=4)
+    return max_param_diff(engine.state, ref), engine.state.layout.world
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_engine_with_mics_shard_size_matches_single_process_adamw(stage):
+    for diff, lay_world in run_ranks(_engine_hybrid, 4, stage):
+        assert lay_world == 2 and diff <= TOL, (lay_world, diff)
 
 
 # --- checkpoints: hybrid(4, 2) -> flat(2) -> hybrid(6, 3) ---------------------------------------

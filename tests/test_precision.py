@@ -10,14 +10,15 @@ import zfunc
 from tests.helpers import MODELS, autocast_losses, bitwise_equal, run_ranks, snapshot
 
 
-def _inject(rank: int, stage: int, precision: str, bad: float) -> dict:
+def _inject(rank: int, stage: int, precision: str, bad: float, shard_size: int | None = None) -> dict:
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     make, loss_fn, batch_fn = MODELS["zoo"]
     torch.manual_seed(0)
     ls = zfunc.DynamicLossScale(init=2.0**8, hysteresis=1) if precision == "fp16" else None
-    state = zfunc.init(make(), zfunc.Config(stage=stage, precision=precision, loss_scale=ls, clip=1.0))
+    state = zfunc.init(make(), zfunc.Config(stage=stage, precision=precision, loss_scale=ls, clip=1.0,
+                                            shard_size=shard_size))
     state, _ = zfunc.backward_step(state, loss_fn, batch_fn(0, rank, 4))
     state = zfunc.apply_step(state)  # moments are non-zero from here on
     state, _ = zfunc.backward_step(state, loss_fn, batch_fn(1, rank, 4))

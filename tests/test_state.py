@@ -40,7 +40,7 @@ def test_pure_without_donation_identical_with_it():
 def _memory(rank: int, stage: int) -> tuple[dict, int, int, dict, dict, dict]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(30, 31), torch.nn.Linear(31, 5))  # 1121 params
-    cfg = zfunc.Config(stage=stage, persist_threshold=0, units=["0", "1"])
+    cfg = zfunc.Config(stage=stage, persist_threshold=0, units=["0", "1"], grad_accum=2)  # stage 1: full grads
     plan = zfunc.memory_plan(model, cfg, zfunc.comm.world().size)
     bf16 = cfg.replace(precision="bf16", master_dtype=torch.bfloat16, moment_dtype=torch.bfloat16)
     bf16_plan = zfunc.memory_plan(model, bf16, zfunc.comm.world().size)
@@ -103,9 +103,10 @@ def _collectives(rank: int, stage: int) -> tuple[list, list, list]:
     torch.manual_seed(0)
     state = zfunc.init(MODELS["zoo"][0](), zfunc.Config(stage=stage, grad_accum=2))
     counter = _Counting(comm.dist)
-    flat = {"rs": comm._reduce_scatter_flat, "ag": comm._all_gather_flat}
+    flat = {"rs": comm._reduce_scatter_flat, "ag": comm._all_gather_flat, "rs_": comm.reduce_scatter_}
     comm.dist = counter
     comm._reduce_scatter_flat = counter.flat("reduce_scatter", flat["rs"])
+    comm.reduce_scatter_ = counter.flat("reduce_scatter", flat["rs_"])  # built of reduces on gloo
     comm._all_gather_flat = counter.flat("all_gather", flat["ag"])
     try:
         state, _ = zfunc.backward_step(state, zoo_loss, zoo_batch(0, rank, 2))
@@ -118,7 +119,7 @@ def _collectives(rank: int, stage: int) -> tuple[list, list, list]:
         boundary = list(counter.calls)
     finally:
         comm.dist = counter.real
-        comm._reduce_scatter_flat, comm._all_gather_flat = flat["rs"], flat["ag"]
+        comm._reduce_scatter_flat, comm._all_gather_flat, comm.reduce_scatter_ = flat["rs"], flat["ag"], flat["rs_"]
     return first, second, boundary
 
 

@@ -82,7 +82,7 @@ def bind(state: TrainState, sinks: Sequence[torch.Tensor], *, donate: bool = Fal
 def grad_views(state: TrainState, grads: torch.Tensor) -> list[torch.Tensor]:
     """Each unit's part of a gradient buffer: its full flat buffer (stages 0-1) or its shard."""
     lay = state.layout
-    return [grads.narrow(0, 0, u.padded) if state.stage < 2 else lay.arena_slice(grads, u) for u in lay.units]
+    return [lay.arena_slice(grads, u) if state.cfg.shards_grads else grads.narrow(0, 0, u.padded) for u in lay.units]
 
 
 def sinks_into(state: TrainState, grads: torch.Tensor) -> list[torch.Tensor]:
@@ -266,7 +266,7 @@ def accumulate(state: TrainState, grads: dict[str, torch.Tensor], *, loss: torch
                 raise ValueError(f"accumulate: gradient of {s.name!r} has shape {list(g.shape)}, "
                                  f"expected {list(s.shape)}")
         flat = lay.flatten_unit(unit, grads, cfg.reduce_dtype, state.device).mul_(factor.to(cfg.reduce_dtype))
-        if state.stage >= 2:
+        if cfg.shards_grads:
             flat = comm.reduce_scatter(flat, "sum", state.mesh.shard)
         unit_grads.append(flat.to(cfg.grad_accum_dtype))
     grads = state.grads if donate else state.grads.clone()

@@ -272,12 +272,12 @@ class BoundModel:
             binding._latest = weakref.ref(gatherer)
         else:
             (unit,) = lay.units
-            buckets = binding.buckets(state) if state.stage == 2 and state.mesh.shard.size > 1 else ()
+            buckets = binding.buckets(state) if cfg.shards_grads and state.mesh.shard.size > 1 else ()
             if len(buckets) > 1:  # reduced bucket by bucket during backward
                 tensors.update(bucket_views(state, self.sinks[0], buckets, binding._pool))
             else:
                 full = comm.unit_params(self.sinks[0], None, state.compute, state.mesh.shard, cfg.reduce_dtype,
-                                        state.stage == 2, fresh_grad=lay.splits(unit) > 1)
+                                        cfg.shards_grads, fresh_grad=lay.splits(unit) > 1)
                 tensors.update(lay.views(unit, full))
             contexts = []
         if cfg.autocast is None and cfg.compute_dtype != torch.float32:

@@ -156,6 +156,19 @@ class Config:
         return _PRECISIONS[self.precision]
 
     @property
+    def shards_grads(self) -> bool:
+        """Whether gradients are reduce-scattered to their owners during backward, into a
+        shard-sized accumulator: stages 2-3, and stage 1 with one micro-batch per step (there is
+        nothing to accumulate locally, so waiting for the step would only lose the overlap).
+
+        Examples:
+            >>> import zfunc
+            >>> [zfunc.Config(stage=s, grad_accum=a).shards_grads for s, a in ((1, 1), (1, 4), (2, 4))]
+            [True, False, True]
+        """
+        return self.stage >= 2 or (self.stage == 1 and self.grad_accum == 1)
+
+    @property
     def reduce_dtype(self) -> torch.dtype:
         """The dtype gradients travel in across ranks."""
         return self.comm_dtype or self.grad_accum_dtype

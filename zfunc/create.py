@@ -238,7 +238,7 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
                             zip(layout.units, full_master)])
     del full_master
     params, compute = place_master(master, cfg, layout, mesh)
-    grads_numel = layout.full_numel if cfg.stage < 2 else layout.arena_numel
+    grads_numel = layout.arena_numel if cfg.shards_grads else layout.full_numel
     opt = cfg.optimizer
     slots = {name: torch.full((params.numel(),), opt.slot_init, dtype=cfg.moment_dtype, device=params.device,
                               pin_memory=params.is_pinned())

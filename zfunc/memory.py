@@ -57,8 +57,8 @@ def memory_plan(model: torch.nn.Module, cfg: Config, world_size: int) -> dict[st
     Examples:
         >>> import torch, zfunc
         >>> model = torch.nn.Linear(1000, 1000)                      # 1,001,000 parameters
-        >>> for stage in range(4):
-        ...     plan = zfunc.memory_plan(model, zfunc.Config(stage=stage), world_size=8)
+        >>> for stage in range(4):  # 4 micro-batches per step (stage 1 then keeps a full gradient)
+        ...     plan = zfunc.memory_plan(model, zfunc.Config(stage=stage, grad_accum=4), world_size=8)
         ...     print(stage, round(plan["total"] / 2**20, 2), "MiB per rank")
         0 15.27 MiB per rank
         1 8.59 MiB per rank
@@ -77,7 +77,7 @@ def memory_plan(model: torch.nn.Module, cfg: Config, world_size: int) -> dict[st
     offload = cfg.offload_optimizer is not None
     shared = cfg.compute_dtype == cfg.master_dtype and not offload  # the master is a view of the compute copy
     master = 0 if shared else opt_numel * size(cfg.master_dtype)
-    grads = (lay.full_numel if cfg.stage < 2 else lay.arena_numel) * size(cfg.grad_accum_dtype)
+    grads = (lay.arena_numel if cfg.shards_grads else lay.full_numel) * size(cfg.grad_accum_dtype)
     optimizer = len(cfg.optimizer.slots) * opt_numel * size(cfg.moment_dtype)
     plan = {"params": compute + master, "grads": grads, "optimizer": optimizer}
     return _totals(plan, master + optimizer if offload else 0)

@@ -140,7 +140,8 @@ class TrainState:
             host memory with ``Config.offload_optimizer``, like the optimizer state.
         compute: the compute-dtype parameters forward uses: the full padded flat buffer for
             stages 0-2, this rank's arena for stage 3. Aliases ``params`` when the dtypes agree.
-        grads: the gradient accumulator: full for stages 0-1, this rank's arena for 2-3.
+        grads: the gradient accumulator: this rank's arena where backward reduce-scatters
+            (`Config.shards_grads`: stages 2-3, and stage 1 at ``grad_accum=1``), else full.
         opt: the optimizer's state record (`AdamState`, `SGDState`, `LionState`,
             `AdagradState`), its slots shaped like ``params``.
         hyper: `GroupHyper`: each parameter group's learning rate, weight decay, betas, eps.

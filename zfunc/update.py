@@ -119,13 +119,13 @@ def set_hyperparams(state: TrainState, group: int = 0, **values: float | tuple[f
 def _reduce(state: TrainState, donate: bool) -> torch.Tensor:
     """This rank's summed gradient over the optimizer's domain, in the accumulation dtype.
 
-    Stage 0 all-reduces over the world; stage 1 reduce-scatters over the shard group; stages 2-3
-    were reduce-scattered in backward. With replicas (``Config.shard_size``) the shard is then
+    Stage 0 all-reduces over the world; stage 1 with ``grad_accum > 1`` reduce-scatters over the
+    shard group; otherwise (`Config.shards_grads`) backward reduce-scattered already. With replicas (``Config.shard_size``) the shard is then
     all-reduced across them, once per step: the only collective that crosses replicas.
     """
     cfg, mesh = state.cfg, state.mesh
     grads = state.grads
-    if state.stage < 2 and mesh.world.size > 1:
+    if not cfg.shards_grads and mesh.world.size > 1:
         wire = grads.to(cfg.reduce_dtype)
         if state.stage == 0:
             out = comm.all_reduce_(wire if (donate or wire is not grads) else wire.clone(), "sum", mesh.world)
