@@ -19,8 +19,10 @@ def main(argv: list[str] | None = None) -> None:
     import matplotlib.pyplot as plt
 
     runs = [json.load(open(f)) for f in args.files]
-    fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 4), squeeze=False)
-    for ax, run in zip(axes[0], runs):
+    cols = min(2, len(runs))
+    rows = -(-len(runs) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4 * rows), squeeze=False)
+    for ax, run in zip(axes.flat, runs):
         names = list(run["results"])
         med = [run["results"][n]["median"] for n in names]
         colors = ["#4c72b0" if n.startswith(("zero", "offload", "engine")) else
@@ -31,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
         ax.tick_params(axis="x", rotation=45)
         for i, m in enumerate(med):
             ax.text(i, m, f"{m:.2f}", ha="center", va="bottom", fontsize=8)
-    fig.suptitle("zfunc (blue) vs DeepSpeed 0.19.8 (orange) vs torch DDP/FSDP2 (grey): one interleaved gloo world of 2")
+    fig.suptitle("zfunc (blue), DeepSpeed 0.19.8 (orange), torch DDP/FSDP2 (grey): one interleaved gloo world of 2")
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
     print(args.out)
