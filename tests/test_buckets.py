@@ -114,3 +114,17 @@ def _engine(rank: int) -> list[float]:
 def test_engine_plain_backward_with_buckets():
     for losses in run_ranks(_engine, 2):
         assert losses[2] < losses[1] < losses[0], losses
+
+
+def _different_buckets(rank: int) -> str:
+    try:
+        zfunc.init(MODELS["zoo"][0](), _cfg(1, SMALL if rank == 0 else 25.0))
+    except zfunc.ConfigError as e:
+        return str(e)
+    return "no error"
+
+
+def test_bucket_size_must_agree_across_ranks():
+    # Different bucket plans would pair different collectives across ranks: refused at init.
+    for message in run_ranks(_different_buckets, 2):
+        assert message.startswith("bucket_mb: differs across ranks"), message

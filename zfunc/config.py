@@ -63,7 +63,10 @@ class Config:
             device keeps only the compute copy and the gradients. ``None``: all on the device.
         bucket_mb: stage 2: MiB of gradient (in ``reduce_dtype``) per bucket, reduced during
             backward as soon as it is complete (DDP's ``bucket_cap_mb``): smaller buckets start
-            sooner and overlap more, at the cost of more, smaller collectives.
+            sooner and overlap more, at the cost of more, smaller collectives. A model that runs
+            its own collectives during backward (SyncBatchNorm) on the same process group while
+            leaving some parameters unused on some ranks should use one bucket (a large value):
+            the buckets' reduces must not interleave with its collectives differently per rank.
         offload_pin_memory: page-lock the host arena when the compute device is CUDA (faster,
             asynchronous copies; DeepSpeed's ``offload_optimizer.pin_memory``).
 

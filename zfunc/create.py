@@ -47,7 +47,8 @@ def _signature(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str, 
 def _fingerprint(cfg: Config) -> dict[str, str]:
     """The `Config` fields that must agree across ranks (anything that changes collectives or math)."""
     fields = ("stage", "precision", "grad_accum", "clip", "loss_scale", "master_dtype", "moment_dtype",
-              "grad_accum_dtype", "comm_dtype", "autocast", "units", "persist_threshold", "align", "optimizer", "shard_size")
+              "grad_accum_dtype", "comm_dtype", "autocast", "units", "persist_threshold", "align", "optimizer", "shard_size", "bucket_mb",
+              "offload_optimizer")
     return {f: repr(getattr(cfg, f)) for f in fields}
 
 
@@ -289,6 +290,8 @@ def gather_by_name(state: TrainState, t: torch.Tensor) -> dict[str, torch.Tensor
         if state.stage == 0:
             flat = t.narrow(0, 0, unit.padded)
         else:
-            flat = comm.all_gather(lay.arena_slice(t, unit), state.mesh.shard)
+            # through the compute device: an offloaded master or moment is in host memory, and NCCL
+            # gathers device tensors only
+            flat = comm.all_gather(lay.arena_slice(t, unit).to(state.device), state.mesh.shard)
         out.update({k: v.clone() for k, v in lay.views(unit, flat).items()})
     return {n: out[n] for n, _ in state.module.named_parameters() if n in out}  # the model's order

@@ -97,7 +97,7 @@ def make_mesh(world: Group, shard_size: int | None) -> Mesh:
     if k == n:
         return Mesh(world=world, shard=world, replicas=Group(rank=0, size=1))
     ranks = _ranks(world)
-    key = (id(dist.group.WORLD), tuple(ranks), k)
+    key = (id(dist.group.WORLD), id(world.pg), tuple(ranks), k)
     if key not in _CACHE:
         me = world.rank
         start, index = me - me % k, me % k

@@ -201,9 +201,9 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
     if aliased:  # the master is (a view of) the compute buffer
         master = compute if state.stage == 3 else master_view(compute, lay, state.stage)
     else:
-        master = state.params if donate else state.params.clone()
+        master = state.params if donate else _clone(state.params)
     opt = cfg.optimizer
-    slots = [getattr(state.opt, n) if donate else getattr(state.opt, n).clone() for n in opt.slots]
+    slots = [getattr(state.opt, n) if donate else _clone(getattr(state.opt, n)) for n in opt.slots]
     count = state.opt.count.clone()
     if aliased:
         compute_out = None
@@ -247,6 +247,13 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
                          step=state.step + 1,
                          micro_step=torch.zeros_like(state.micro_step), loss_sum=torch.zeros_like(state.loss_sum),
                          metrics=metrics)
+
+
+def _clone(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t``, page-locked if ``t`` is (an offloaded host arena stays pinned)."""
+    if t.is_pinned():
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+    return t.clone()
 
 
 def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
