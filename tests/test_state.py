@@ -88,6 +88,8 @@ class _Counting:
     def flat(self, name, fn):
         """``fn`` (a flat collective, however built) counted as one ``name``."""
         def counted(*a, **k):
+            if self.inside is not None:  # a step of a flat collective counted already
+                return fn(*a, **k)
             self.calls.append(name)
             self.inside = name
             try:
@@ -103,10 +105,12 @@ def _collectives(rank: int, stage: int) -> tuple[list, list, list]:
     torch.manual_seed(0)
     state = zfunc.init(MODELS["zoo"][0](), zfunc.Config(stage=stage, grad_accum=2))
     counter = _Counting(comm.dist)
-    flat = {"rs": comm._reduce_scatter_flat, "ag": comm._all_gather_flat, "rs_": comm.reduce_scatter_}
+    flat = {"rs": comm._reduce_scatter_flat, "ag": comm._all_gather_flat, "rs_": comm.reduce_scatter_,
+            "rs0": comm.reduce_scatter_start}
     comm.dist = counter
     comm._reduce_scatter_flat = counter.flat("reduce_scatter", flat["rs"])
     comm.reduce_scatter_ = counter.flat("reduce_scatter", flat["rs_"])  # built of reduces on gloo
+    comm.reduce_scatter_start = counter.flat("reduce_scatter", flat["rs0"])
     comm._all_gather_flat = counter.flat("all_gather", flat["ag"])
     try:
         state, _ = zfunc.backward_step(state, zoo_loss, zoo_batch(0, rank, 2))
@@ -119,7 +123,8 @@ def _collectives(rank: int, stage: int) -> tuple[list, list, list]:
         boundary = list(counter.calls)
     finally:
         comm.dist = counter.real
-        comm._reduce_scatter_flat, comm._all_gather_flat, comm.reduce_scatter_ = flat["rs"], flat["ag"], flat["rs_"]
+        comm._reduce_scatter_flat, comm._all_gather_flat = flat["rs"], flat["ag"]
+        comm.reduce_scatter_, comm.reduce_scatter_start = flat["rs_"], flat["rs0"]
     return first, second, boundary
 
 

@@ -29,6 +29,7 @@ from zfunc._tree import tree
 from zfunc.buckets import Bucket, ShardPool, bucket_views, plan_buckets
 from zfunc.cotangent import scale_tree
 from zfunc.gather import UnitGatherer, check_same_units
+from zfunc.gather import in_backward as _in_backward
 from zfunc.layout import Layout
 
 if TYPE_CHECKING:
@@ -51,12 +52,6 @@ def donated_binding(module: torch.nn.Module) -> ModuleBinding | None:
         True
     """
     return _DONATED.get(module)
-
-
-def _in_backward() -> bool:
-    # Read-only query of autograd's engine (no public equivalent): a graph task is running, i.e.
-    # reentrant activation checkpointing is recomputing a forward inside backward.
-    return torch._C._current_graph_task_id() != -1
 
 
 class ModuleBinding:

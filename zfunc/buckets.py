@@ -129,7 +129,7 @@ class _Reducer:
         while len(self.works) > _IN_FLIGHT:
             self.works.popleft()[0].wait()
 
-    def finish(self) -> torch.Tensor:
+    def finish(self) -> list[torch.Tensor]:
         """Start what no gradient reached (with zeros), wait for all, and return the shard."""
         for k in range(self.next, len(self.buckets)):
             b = self.buckets[k]
@@ -142,23 +142,26 @@ class _Reducer:
         # Back to the pool once autograd has added it to the sink, at the end of this backward.
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self.pool.give(out))
         self._reset()  # a second backward over the same graph (retain_graph) starts afresh
-        return out
+        return [out]
 
 
-class _Collect(torch.autograd.Function):
-    """The node every bucket feeds; its backward delivers this rank's reduced shard to the sink."""
+class Collect(torch.autograd.Function):
+    """The node every gradient piece feeds (``hub = Collect.apply(reducer, *sinks)``): autograd runs
+    its backward after all of them, and it delivers ``reducer.finish()``, one result per sink (None
+    for a sink nothing reached), to the sinks."""
 
     @staticmethod
-    def forward(sink: torch.Tensor, reducer: _Reducer) -> torch.Tensor:
-        return torch.zeros((), dtype=torch.float32, device=sink.device)
+    def forward(reducer: Any, *sinks: torch.Tensor) -> torch.Tensor:
+        return torch.zeros((), dtype=torch.float32, device=sinks[0].device)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        ctx.reducer, ctx.sink_dtype = inputs[1], inputs[0].dtype
+        ctx.reducer, ctx.dtypes = inputs[0], [s.dtype for s in inputs[1:]]
 
     @staticmethod
     def backward(ctx: Any, _: torch.Tensor) -> tuple:
-        return ctx.reducer.finish().to(ctx.sink_dtype), None
+        results = ctx.reducer.finish()
+        return (None, *(None if r is None else r.to(dt) for r, dt in zip(results, ctx.dtypes)))
 
 
 class _BucketParams(torch.autograd.Function):
@@ -182,7 +185,7 @@ def bucket_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, .
                  pool: ShardPool) -> dict[str, torch.Tensor]:
     """Parameter views of ``state.compute`` whose gradients reach ``sink`` bucket by bucket."""
     reducer = _Reducer(state, buckets, pool)
-    hub = _Collect.apply(sink, reducer)
+    hub = Collect.apply(reducer, sink)
     views: dict[str, torch.Tensor] = {}
     for k, b in enumerate(buckets):
         full = _BucketParams.apply(hub, state.compute.narrow(0, b.start, b.stop - b.start), reducer, k)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["Group", "world", "all_reduce", "reduce_scatter", "all_gather", "broadcast",
-           "all_gather_object", "unit_params", "reduce_", "reduce_scatter_"]
+           "all_gather_object", "unit_params", "reduce_", "reduce_scatter_", "reduce_scatter_start"]
 
 _OPS = {"sum": "SUM", "avg": "AVG", "max": "MAX", "min": "MIN"}
 
@@ -202,16 +202,43 @@ def reduce_scatter_(x: torch.Tensor, op: str = "sum", group: Group | None = None
         >>> zfunc.comm.reduce_scatter_(torch.arange(4.0)).tolist()
         [0.0, 1.0, 2.0, 3.0]
     """
+    out, handle = reduce_scatter_start(x, op, group)
+    handle.wait()
+    return out
+
+
+class _Works:
+    """Several collectives' handles as one."""
+
+    def __init__(self, works: list[Any]):
+        self.works = works
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        return True
+
+
+def reduce_scatter_start(x: torch.Tensor, op: str = "sum", group: Group | None = None) -> tuple[torch.Tensor, Any]:
+    """`reduce_scatter_` started asynchronously: ``(out, handle)``, ``out`` valid after ``handle.wait()``.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> out, handle = zfunc.comm.reduce_scatter_start(torch.arange(4.0))
+        >>> handle.wait(), out.tolist()
+        (True, [0.0, 1.0, 2.0, 3.0])
+    """
     group = group or world()
-    if group.size == 1 or dist.get_backend(group.pg) != "gloo":
-        return reduce_scatter(x, op, group)
     x = x.reshape(-1).contiguous()
     n = _slice_len(x, group, "reduce_scatter_")
+    if group.size == 1:
+        return x, _Done()
+    if dist.get_backend(group.pg) != "gloo":
+        out = x.new_empty(n)
+        return out, _reduce_scatter_flat(out, x, op=_op(op), group=group.pg, async_op=True)
     works = [reduce_(x.narrow(0, r * n + i, min(_CHUNK, n - i)), r, op, group, async_op=True)
              for r in range(group.size) for i in range(0, n, _CHUNK)]
-    for w in works:
-        w.wait()
-    return x.narrow(0, group.rank * n, n)
+    return x.narrow(0, group.rank * n, n), _Works(works)
 
 
 def reduce_scatter(x: torch.Tensor, op: str = "sum", group: Group | None = None) -> torch.Tensor:

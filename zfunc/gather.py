@@ -14,6 +14,7 @@ Every rank must run the same units in the same order (as with DeepSpeed and FSDP
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import weakref
 from collections.abc import Iterator
@@ -22,8 +23,9 @@ from typing import Any
 import torch
 
 from zfunc import comm
+from zfunc.buckets import Collect
 
-__all__ = ["UnitGatherer", "track_gathered", "check_same_units"]
+__all__ = ["UnitGatherer", "track_gathered", "check_same_units", "in_backward"]
 
 _STATS = {"live": 0, "peak": 0}
 
@@ -70,6 +72,71 @@ class _Recipe:
         self.offset, self.size, self.stride = t.storage_offset(), t.size(), t.stride()
 
 
+def in_backward() -> bool:
+    """Whether autograd is running a backward now (reentrant activation checkpointing recomputes a
+    forward inside one). A read-only query of autograd's engine; no public equivalent."""
+    return torch._C._current_graph_task_id() != -1
+
+
+_IN_FLIGHT = 2  # units whose reduce-scatter may still run while backward goes on
+
+
+class _UnitReducer:
+    """One forward call's stage-3 reduce-scatters, asynchronous: a unit's starts as soon as its
+    backward is done and is waited for at most ``_IN_FLIGHT`` units later, or at the end by the
+    collector node (`zfunc.buckets.Collect`), which hands each sink its unit's shard."""
+
+    def __init__(self, gatherer: UnitGatherer):
+        self.gatherer = gatherer
+        self.pending: collections.deque = collections.deque()
+        self.results: dict[int, torch.Tensor] = {}
+
+    def start(self, i: int, grad: torch.Tensor, fresh: bool) -> None:
+        st = self.gatherer.state
+        wire = grad.to(st.cfg.reduce_dtype)
+        if wire is grad and not fresh:  # not ours to overwrite
+            wire = grad.clone()
+        out, handle = comm.reduce_scatter_start(wire, "sum", st.mesh.shard)
+        self.pending.append((i, out, handle))
+        self.gatherer._done(i)  # the unit's backward is done: its regathered copy is not needed
+        while len(self.pending) > _IN_FLIGHT:
+            self._finish_one()
+
+    def _finish_one(self) -> None:
+        i, out, handle = self.pending.popleft()
+        handle.wait()
+        if i in self.results:  # the unit ran twice in this call
+            self.results[i].add_(out)
+        else:
+            self.results[i] = out.clone()  # a shard: the unit-sized scratch behind ``out`` goes
+
+    def finish(self) -> list[torch.Tensor | None]:
+        while self.pending:
+            self._finish_one()
+        out = [self.results.pop(i, None) for i in range(len(self.gatherer.sinks))]
+        self.results.clear()
+        return out
+
+
+class _GatherUnit(torch.autograd.Function):
+    """A unit all-gathered in forward; its backward starts the unit's asynchronous reduce-scatter
+    (`_UnitReducer`); the gradient reaches the sink through the collector ``hub``."""
+
+    @staticmethod
+    def forward(hub: torch.Tensor, shard: torch.Tensor, group: comm.Group, reducer: _UnitReducer, i: int,
+                fresh: bool) -> torch.Tensor:
+        return comm.all_gather(shard, group)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.reducer, ctx.i, ctx.fresh = inputs[3], inputs[4], inputs[5]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        ctx.reducer.start(ctx.i, grad, ctx.fresh)
+        return torch.zeros((), dtype=torch.float32, device=grad.device), None, None, None, None, None
+
+
 class UnitGatherer:
     """One forward call's stage-3 gathering: the sinks that receive each unit's gradient, and the
     unit buffers gathered for the call (by storage address, while their module runs)."""
@@ -80,6 +147,12 @@ class UnitGatherer:
         self.regathered: dict[int, torch.Tensor] = {}
         self.swapped: dict[int, list[tuple[torch.nn.Module, str, Any]]] = {}  # unit -> what to restore
         self.order: list[int] = []  # the units this call ran, in order
+        # Gradients reduce-scatter asynchronously through a collector, except in a forward that
+        # autograd recomputes inside backward (reentrant checkpointing) or one without autograd.
+        self.reducer: _UnitReducer | None = None
+        if torch.is_grad_enabled() and not in_backward():
+            self.reducer = _UnitReducer(self)
+            self.hub = Collect.apply(self.reducer, *sinks)
         for i, sink in enumerate(sinks):
             # The unit's backward is done when its gradient reaches the sink: drop the regathered
             # copy then. (Deciding by graph order, never by object lifetimes, keeps every rank's
@@ -96,8 +169,12 @@ class UnitGatherer:
     def gather(self, i: int) -> torch.Tensor:
         """Unit ``i`` in full, differentiable: its backward reduce-scatters into sink ``i``."""
         st = self.state
-        full = comm.unit_params(self.sinks[i], self._shard(i), None, st.mesh.shard, st.cfg.reduce_dtype, True,
-                                fresh_grad=st.layout.splits(st.layout.units[i]) > 1)
+        fresh = st.layout.splits(st.layout.units[i]) > 1
+        if self.reducer is not None and not in_backward():
+            full = _GatherUnit.apply(self.hub, self._shard(i), st.mesh.shard, self.reducer, i, fresh)
+        else:
+            full = comm.unit_params(self.sinks[i], self._shard(i), None, st.mesh.shard, st.cfg.reduce_dtype, True,
+                                    fresh_grad=fresh)
         return _count_bytes(full)
 
     def regather(self, i: int) -> torch.Tensor:
