@@ -3,8 +3,9 @@
 Forward gathers the *root* unit (parameters outside every unit, and the small ones below the
 persistence threshold) once per call. Every other unit is gathered when its module starts (the
 `zfunc.binding.ModuleBinding`'s forward pre-hook calls `UnitGatherer.enter`), through the
-differentiable `zfunc.comm.unit_params` (so its gradient is reduce-scattered when its backward
-is done), and released when the module returns (`UnitGatherer.leave`). Autograd would keep the gathered
+differentiable `_GatherUnit` (its backward starts the unit's reduce-scatter asynchronously;
+a collector node hands the shards to the sinks at the end of backward), and released when the
+module returns (`UnitGatherer.leave`). Autograd would keep the gathered
 buffer alive until backward through the tensors it saves; a saved-tensor hook replaces each such
 tensor with a recipe (unit, offset, size, stride) that gathers the unit again when backward
 needs it. So the gathered parameters alive at any moment stay near one unit plus the root.
