@@ -83,6 +83,7 @@ class ModuleBinding:
         # Stage-3 unit parameters by name, so the enclosing functional_call restores them.
         self.unit_params: dict[str, torch.Tensor] = {}
         self._buckets: tuple[Bucket, ...] | None = None
+        self._pool: ShardPool | None = None  # the bucket reducer's result buffers, with the buckets
         if stage == 3:
             self._install_unit_hooks()
 

@@ -186,7 +186,6 @@ def _refuse_unknown(ds: Mapping[str, Any]) -> None:
             raise _err(key, f"{allowed[0]!r} (zfunc averages gradients over ranks in one step, in comm dtype; "
                        "other values change the numbers and are not implemented)", ds[key])
     zero = _section(ds, "zero_optimization")
-    _offload(zero)
     for key in zero:
         if key not in _ZERO_HANDLED | _ZERO_HARMLESS | {"offload_optimizer", "offload_param", "cpu_offload"}:
             raise ConfigError(f"zero_optimization.{key}: zfunc does not implement this key (or it is misspelt); "
@@ -337,6 +336,7 @@ def translate(ds: Mapping[str, Any] | str | os.PathLike,
         raise ConfigError(f"config: expected a dict or a JSON file path, got {type(ds).__name__}")
     _refuse_unknown(ds)
     zero = _section(ds, "zero_optimization")
+    offload, pin = _offload(zero)  # checked with the other keys, before anything is warned about
     harmless = [k for k in ds if k in _HARMLESS]
     harmless += [f"zero_optimization.{k}" for k in zero if k in _ZERO_HARMLESS]
     harmless += [f"zero_optimization.{sec}.{k}" for sec in ("offload_optimizer", "offload_param")
@@ -354,7 +354,6 @@ def translate(ds: Mapping[str, Any] | str | os.PathLike,
     clip = _number(ds, "", "gradient_clipping", 1.0)
     persist = int(_number(zero, "zero_optimization", "stage3_param_persistence_threshold", 100_000))
     shard_size = _shard_size(zero, stage)
-    offload, pin = _offload(zero)
     optimizer = _optimizer(ds)
 
     fp16, bf16 = _section(ds, "fp16"), _section(ds, "bf16") or _section(ds, "bfloat16")

@@ -108,8 +108,10 @@ class _UnitReducer:
         handle.wait()
         if i in self.results:  # the unit ran twice in this call
             self.results[i].add_(out)
+        elif out.untyped_storage().nbytes() > out.numel() * out.element_size():
+            self.results[i] = out.clone()  # a shard of the unit-sized scratch: keep the shard, let it go
         else:
-            self.results[i] = out.clone()  # a shard: the unit-sized scratch behind ``out`` goes
+            self.results[i] = out
 
     def finish(self) -> list[torch.Tensor | None]:
         while self.pending:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Union
+from typing import Any, Union
 
 import torch
 
@@ -65,17 +65,19 @@ class AdamConfig(_Optimizer):
     kernel = staticmethod(zfunc_kernels.fused_adam)
     slot_init = 0.0
 
-
-
     def __post_init__(self) -> None:
-        check(is_finite_number(self.lr) and self.lr >= 0, "optimizer.lr", "a finite number >= 0", self.lr)
-        b = self.betas
-        check(isinstance(b, (tuple, list)) and len(b) == 2 and all(is_number(x) and 0 <= x < 1 for x in b),
-              "optimizer.betas", "two numbers in [0, 1)", b)
-        object.__setattr__(self, "betas", (float(b[0]), float(b[1])))
+        _check_common(self.lr, self.weight_decay)
+        _set_betas(self, below_one=True)
         check(is_finite_number(self.eps) and self.eps >= 0, "optimizer.eps", "a finite number >= 0", self.eps)
-        check(is_finite_number(self.weight_decay) and self.weight_decay >= 0,
-              "optimizer.weight_decay", "a finite number >= 0", self.weight_decay)
+
+
+def _set_betas(opt: Any, below_one: bool) -> None:
+    """Check ``opt.betas`` (two numbers in [0, 1), or [0, 1]) and store them as a tuple of floats."""
+    b = opt.betas
+    check(isinstance(b, (tuple, list)) and len(b) == 2
+          and all(is_number(x) and 0 <= x and (x < 1 if below_one else x <= 1) for x in b),
+          "optimizer.betas", f"two numbers in [0, 1{')' if below_one else ']'}", b)
+    object.__setattr__(opt, "betas", (float(b[0]), float(b[1])))
 
 
 def _check_common(lr: float, weight_decay: float) -> None:
@@ -118,8 +120,6 @@ class SGDConfig(_Optimizer):
             raise ConfigError("optimizer.nesterov: needs momentum > 0 and dampening 0 (as torch.optim.SGD)")
 
 
-
-
 @dataclasses.dataclass(frozen=True)
 class LionConfig(_Optimizer):
     """Lion's hyperparameters (Chen et al., 2023), decoupled weight decay (`zfunc.lion`).
@@ -144,12 +144,7 @@ class LionConfig(_Optimizer):
 
     def __post_init__(self) -> None:
         _check_common(self.lr, self.weight_decay)
-        b = self.betas
-        check(isinstance(b, (tuple, list)) and len(b) == 2 and all(is_number(x) and 0 <= x <= 1 for x in b),
-              "optimizer.betas", "two numbers in [0, 1]", b)
-        object.__setattr__(self, "betas", (float(b[0]), float(b[1])))
-
-
+        _set_betas(self, below_one=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,8 +179,6 @@ class AdagradConfig(_Optimizer):
     @property
     def slot_init(self) -> float:
         return float(self.initial_accumulator_value)
-
-
 
 
 OPTIMIZERS = (AdamConfig, SGDConfig, LionConfig, AdagradConfig)

@@ -128,7 +128,7 @@ def _reduce(state: TrainState, donate: bool) -> torch.Tensor:
     if not cfg.shards_grads and mesh.world.size > 1:
         wire = grads.to(cfg.reduce_dtype)
         if state.stage == 0:
-            out = comm.all_reduce_(wire if (donate or wire is not grads) else wire.clone(), "sum", mesh.world)
+            out = comm.all_reduce_(_scratch(wire, grads, donate), "sum", mesh.world)
         elif donate or wire is not grads:  # the donated buffer (or its cast copy) is scratch
             out = comm.reduce_scatter_(wire, "sum", mesh.shard)
         else:
@@ -136,9 +136,15 @@ def _reduce(state: TrainState, donate: bool) -> torch.Tensor:
         grads, donate = out.to(cfg.grad_accum_dtype), True  # a new buffer: free to reduce in place
     if state.stage > 0 and mesh.replicas.size > 1:
         wire = grads.to(cfg.reduce_dtype)
-        out = comm.all_reduce_(wire if (donate or wire is not grads) else wire.clone(), "sum", mesh.replicas)
+        out = comm.all_reduce_(_scratch(wire, grads, donate), "sum", mesh.replicas)
         grads = out.to(cfg.grad_accum_dtype)
     return grads
+
+
+def _scratch(wire: torch.Tensor, grads: torch.Tensor, donate: bool) -> torch.Tensor:
+    """``wire`` (``grads`` in the reduce dtype) as a buffer a collective may overwrite: itself when
+    it is a cast copy or ``grads`` was donated, else a copy."""
+    return wire if (donate or wire is not grads) else wire.clone()
 
 
 def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
@@ -211,19 +217,20 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
         compute_out = compute
     else:  # this rank's slice of the full compute buffer, gathered below
         compute_out = master_view(compute, lay, state.stage)
-    target = compute_out
+    target, k_lrs, k_inv, k_clip, k_skip = compute_out, lrs, inv_scale, clip_coef, skip  # what the pass reads
     if cfg.offload_optimizer is not None:  # ZeRO-Offload: the pass runs on the host, where the state lives
         pin = master.is_pinned()
         grad = _host_copy(grad, pin)
-        lrs, inv_scale, clip_coef, skip = (t.cpu() for t in (lrs, inv_scale, clip_coef, skip))  # waits for grad
+        host = torch.cat([lrs, torch.stack([inv_scale, clip_coef, skip])]).cpu()  # one wait, after grad's copy
+        k_lrs, (k_inv, k_clip, k_skip) = host[:lrs.numel()], host[lrs.numel():]
         compute_out = torch.empty(target.shape, dtype=target.dtype, pin_memory=pin)
     # One fused pass per run of one parameter group (one run per group at stages 0-2).
     table = {name: getattr(state.hyper, name).tolist() for name in opt.live}  # on the host: no sync
     segments = lay.full_segments if state.stage == 0 else lay.arena_segments
     for k, (g, start, n) in enumerate(segments):
         step = count if k == 0 else state.opt.count.clone()  # each pass bumps its own copy
-        scalars = zfunc_kernels.StepScalars(step=step, lr=lrs[g], inv_scale=inv_scale, clip_coef=clip_coef,
-                                            found_inf=skip)
+        scalars = zfunc_kernels.StepScalars(step=step, lr=k_lrs[g], inv_scale=k_inv, clip_coef=k_clip,
+                                            found_inf=k_skip)
 
         def part(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.narrow(0, start, n)
@@ -241,7 +248,7 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
     scaler = scaler_update(state.scaler, found_inf, cfg, state.step)
     metrics = Metrics(loss=agreed[-2] / agreed[-1],  # NaN when no loss is known (or none was run)
                       grad_norm=grad_norm, loss_scale=state.scaler.scale,
-                      skipped=skip.to(state.device), lr=lrs[lay.groups[0]].to(state.device))
+                      skipped=skip, lr=lrs[lay.groups[0]])
     return state.replace(params=master, compute=compute, grads=grads, buffers=_rank0_buffers(state),
                          opt=opt.state_class(**dict(zip(opt.slots, slots)), count=count), scaler=scaler,
                          step=state.step + 1,
@@ -251,9 +258,7 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
 
 def _clone(t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t``, page-locked if ``t`` is (an offloaded host arena stays pinned)."""
-    if t.is_pinned():
-        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
-    return t.clone()
+    return _host_copy(t, True) if t.is_pinned() else t.clone()
 
 
 def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
