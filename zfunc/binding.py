@@ -78,6 +78,7 @@ class ModuleBinding:
         self.donated = False
         self._handles: list[RemovableHandle] = []
         self._latest: weakref.ref[UnitGatherer] | None = None
+        self.unit_order: list[int] = []  # stage 3: the units the last forward ran, in order
         self._members: list[Any] = []  # set by `route`
         self._frames: list[Any] = []
         # Stage-3 unit parameters by name, so the enclosing functional_call restores them.
@@ -262,7 +263,8 @@ class BoundModel:
         lay, cfg, binding = state.layout, state.cfg, state.binding
         tensors = {**binding.unit_params, **state.frozen, **self.buffers}
         if state.stage == 3:  # the root unit now; the others when their modules run
-            self.gatherer = gatherer = UnitGatherer(state, self.sinks)
+            hint = binding.unit_order or [i for i, u in enumerate(lay.units) if u.name != "root"]
+            self.gatherer = gatherer = UnitGatherer(state, self.sinks, hint)
             tensors.update(gatherer.root_views())
             contexts: list[Any] = [gatherer.saved_tensor_hooks()]
             binding._latest = weakref.ref(gatherer)
@@ -289,8 +291,12 @@ class BoundModel:
         """After the forward: check the stage-3 units, keep the buffers' new values, and put the
         cotangent factor on the outputs."""
         state = self.state
-        if self.gatherer is not None and state.group.size > 1 and state.device.type == "cpu":
-            check_same_units(self.gatherer.order, state.group)  # a host read: free on the CPU only
+        if self.gatherer is not None:
+            self.gatherer.drop_ahead()  # what the forward's prefetch gathered and did not use
+            if state.group.size > 1 and state.device.type == "cpu":
+                check_same_units(self.gatherer.order, state.group)  # a host read: free on the CPU only
+            if not _in_backward():
+                state.binding.unit_order = self.gatherer.order  # the next forward's prefetch hint
         for name in self.buffers:  # a buffer the module reassigned (not updated in place)
             self.buffers[name] = tensors[name]
         scaled, count = scale_tree(out, cotangent_factor(state))

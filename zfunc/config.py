@@ -67,6 +67,9 @@ class Config:
             its own collectives during backward (SyncBatchNorm) on the same process group while
             leaving some parameters unused on some ranks should use one bucket (a large value):
             the buckets' reduces must not interleave with its collectives differently per rank.
+        prefetch: stage 3: how many units ahead of the running one are all-gathered, in forward
+            and in backward, so the gathers overlap the computation (FSDP2's and DeepSpeed's
+            prefetch); each costs one unit of memory. 0 gathers a unit when its module starts.
         offload_pin_memory: page-lock the host arena when the compute device is CUDA (faster,
             asynchronous copies; DeepSpeed's ``offload_optimizer.pin_memory``).
 
@@ -100,6 +103,7 @@ class Config:
     offload_optimizer: str | None = None
     offload_pin_memory: bool = True
     bucket_mb: float = 25.0
+    prefetch: int = 1
 
     def __post_init__(self) -> None:
         check(self.stage in (0, 1, 2, 3) and not isinstance(self.stage, bool),
@@ -128,6 +132,8 @@ class Config:
         check(is_positive_int(self.align), "align", "a positive integer", self.align)
         check(is_finite_number(self.bucket_mb) and self.bucket_mb > 0, "bucket_mb", "a number > 0 (MiB)",
               self.bucket_mb)
+        check(isinstance(self.prefetch, int) and not isinstance(self.prefetch, bool) and self.prefetch >= 0,
+              "prefetch", "an integer >= 0 (units gathered ahead)", self.prefetch)
         check(self.offload_optimizer in (None, "cpu"), "offload_optimizer",
               'None or "cpu" (host memory; NVMe is not supported)', self.offload_optimizer)
         check(isinstance(self.offload_pin_memory, bool), "offload_pin_memory", "True or False", self.offload_pin_memory)

@@ -47,8 +47,8 @@ def _signature(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str, 
 def _fingerprint(cfg: Config) -> dict[str, str]:
     """The `Config` fields that must agree across ranks (anything that changes collectives or math)."""
     fields = ("stage", "precision", "grad_accum", "clip", "loss_scale", "master_dtype", "moment_dtype",
-              "grad_accum_dtype", "comm_dtype", "autocast", "units", "persist_threshold", "align", "optimizer", "shard_size", "bucket_mb",
-              "offload_optimizer")
+              "grad_accum_dtype", "comm_dtype", "autocast", "units", "persist_threshold", "align", "optimizer",
+              "shard_size", "bucket_mb", "prefetch", "offload_optimizer")
     return {f: repr(getattr(cfg, f)) for f in fields}
 
 

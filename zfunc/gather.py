@@ -8,7 +8,14 @@ a collector node hands the shards to the sinks at the end of backward), and rele
 module returns (`UnitGatherer.leave`). Autograd would keep the gathered
 buffer alive until backward through the tensors it saves; a saved-tensor hook replaces each such
 tensor with a recipe (unit, offset, size, stride) that gathers the unit again when backward
-needs it. So the gathered parameters alive at any moment stay near one unit plus the root.
+needs it. So the gathered parameters alive at any moment stay near one unit plus the root, plus
+the ``Config.prefetch`` units gathered ahead.
+
+Prefetch (FSDP2's, DeepSpeed's): while a unit computes, the all-gathers of the next
+``Config.prefetch`` units run. Forward predicts "next" from the order the previous forward of the
+same model ran its units (the layout's order on the first), backward from the order this forward
+ran the units whose saved tensors it will regather, reversed. Both are the same on every rank, so
+every rank issues the same collectives in the same order; a wrong prediction only costs a gather.
 
 Every rank must run the same units in the same order (as with DeepSpeed and FSDP).
 """
@@ -118,44 +125,53 @@ class _UnitReducer:
             self._finish_one()
         out = [self.results.pop(i, None) for i in range(len(self.gatherer.sinks))]
         self.results.clear()
+        self.gatherer.drop_ahead()  # backward is over: nothing more to prefetch for
         return out
 
 
 class _GatherUnit(torch.autograd.Function):
-    """A unit all-gathered in forward; its backward starts the unit's asynchronous reduce-scatter
-    (`_UnitReducer`); the gradient reaches the sink through the collector ``hub``."""
+    """A unit all-gathered in forward (or taken from its prefetch); its backward starts the unit's
+    asynchronous reduce-scatter (`_UnitReducer`); the gradient reaches the sink through the
+    collector ``hub``."""
 
     @staticmethod
-    def forward(hub: torch.Tensor, shard: torch.Tensor, group: comm.Group, reducer: _UnitReducer, i: int,
-                fresh: bool) -> torch.Tensor:
-        return comm.all_gather(shard, group)
+    def forward(hub: torch.Tensor, gatherer: UnitGatherer, i: int, fresh: bool) -> torch.Tensor:
+        return gatherer.fetch(i)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        ctx.reducer, ctx.i, ctx.fresh = inputs[3], inputs[4], inputs[5]
+        ctx.reducer, ctx.i, ctx.fresh = inputs[1].reducer, inputs[2], inputs[3]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         ctx.reducer.start(ctx.i, grad, ctx.fresh)
-        return torch.zeros((), dtype=torch.float32, device=grad.device), None, None, None, None, None
+        return torch.zeros((), dtype=torch.float32, device=grad.device), None, None, None
 
 
 class UnitGatherer:
-    """One forward call's stage-3 gathering: the sinks that receive each unit's gradient, and the
-    unit buffers gathered for the call (by storage address, while their module runs)."""
+    """One forward call's stage-3 gathering: the sinks that receive each unit's gradient, the unit
+    buffers gathered for the call (by storage address, while their module runs) and those
+    gathered ahead of use. ``hint``: the units the previous forward ran, in order."""
 
-    def __init__(self, state: Any, sinks: list[torch.Tensor]):
+    def __init__(self, state: Any, sinks: list[torch.Tensor], hint: list[int]):
         self.state, self.sinks = state, sinks
         self.live: dict[int, int] = {}  # storage address -> unit index, during the unit's forward
         self.regathered: dict[int, torch.Tensor] = {}
         self.swapped: dict[int, list[tuple[torch.nn.Module, str, Any]]] = {}  # unit -> what to restore
         self.order: list[int] = []  # the units this call ran, in order
+        self.entry: dict[int, int] = {}  # unit -> its place in `order`, while its module runs
+        self.saved: set[int] = set()  # places in `order` whose saved tensors backward regathers
+        self.ahead: dict[int, tuple[torch.Tensor, Any]] = {}  # prefetched unit -> (buffer, handle)
+        self.hint, self.on_track = hint, True
+        self.expect: list[int] | None = None  # backward's regathers in order, known at the first
+        self.next_back = 0  # where backward is in `expect`
         # Gradients reduce-scatter asynchronously through a collector, except in a forward that
         # autograd recomputes inside backward (reentrant checkpointing) or one without autograd.
         self.reducer: _UnitReducer | None = None
         if torch.is_grad_enabled() and not in_backward():
             self.reducer = _UnitReducer(self)
             self.hub = Collect.apply(self.reducer, *sinks)
+        self.depth = state.cfg.prefetch if self.reducer is not None and state.mesh.shard.size > 1 else 0
         for i, sink in enumerate(sinks):
             # The unit's backward is done when its gradient reaches the sink: drop the regathered
             # copy then. (Deciding by graph order, never by object lifetimes, keeps every rank's
@@ -169,22 +185,48 @@ class UnitGatherer:
         lay = self.state.layout
         return lay.arena_slice(self.state.compute, lay.units[i])
 
+    def _prefetch(self, units: list[int]) -> None:
+        for i in units:
+            if i not in self.ahead:
+                out, handle = comm.all_gather_start(self._shard(i), self.state.mesh.shard)
+                self.ahead[i] = (_count_bytes(out), handle)
+
+    def fetch(self, i: int) -> torch.Tensor:
+        """Unit ``i``'s full buffer: its prefetch once complete, else gathered now."""
+        got = self.ahead.pop(i, None)
+        if got is None:
+            return _count_bytes(comm.all_gather(self._shard(i), self.state.mesh.shard))
+        got[1].wait()
+        return got[0]
+
+    def drop_ahead(self) -> None:
+        """Wait for and drop the prefetches nothing used (a forward or backward is over)."""
+        for _, handle in self.ahead.values():
+            handle.wait()
+        self.ahead.clear()
+        self.next_back = 0
+
     def gather(self, i: int) -> torch.Tensor:
         """Unit ``i`` in full, differentiable: its backward reduce-scatters into sink ``i``."""
         st = self.state
         fresh = st.layout.splits(st.layout.units[i]) > 1
         if self.reducer is not None and not in_backward():
-            full = _GatherUnit.apply(self.hub, self._shard(i), st.mesh.shard, self.reducer, i, fresh)
-        else:
-            full = comm.unit_params(self.sinks[i], self._shard(i), None, st.mesh.shard, st.cfg.reduce_dtype, True,
-                                    fresh_grad=fresh)
-        return _count_bytes(full)
+            return _GatherUnit.apply(self.hub, self, i, fresh)
+        return _count_bytes(comm.unit_params(self.sinks[i], self._shard(i), None, st.mesh.shard, st.cfg.reduce_dtype,
+                                             True, fresh_grad=fresh))
 
     def regather(self, i: int) -> torch.Tensor:
-        """Unit ``i`` in full again, for backward (shared by the saved tensors that need it)."""
+        """Unit ``i`` in full again, for backward (shared by the saved tensors that need it); the
+        units backward will regather next start gathering."""
         full = self.regathered.get(i)
         if full is None:
-            full = self.regathered[i] = _count_bytes(comm.all_gather(self._shard(i), self.state.mesh.shard))
+            full = self.regathered[i] = self.fetch(i)
+            if self.depth:
+                if self.expect is None:
+                    self.expect = [self.order[k] for k in sorted(self.saved, reverse=True)]
+                if i in self.expect[self.next_back:]:
+                    self.next_back = self.expect.index(i, self.next_back) + 1
+                    self._prefetch(self.expect[self.next_back:self.next_back + self.depth])
         return full
 
     def root_views(self) -> dict[str, torch.Tensor]:
@@ -194,12 +236,20 @@ class UnitGatherer:
         for i, unit in enumerate(lay.units):
             if unit.name == "root":
                 views.update(lay.views(unit, self.gather(i)))
+        if self.depth:
+            self._prefetch(self.hint[:self.depth])
         return views
 
     def enter(self, i: int, slots: list[tuple[Any, torch.nn.Module, str]]) -> None:
         """Unit ``i``'s module starts: its parameters become views of the gathered unit."""
         full = self.gather(i)
+        self.entry[i] = len(self.order)
         self.order.append(i)
+        if self.depth and not in_backward():
+            p = len(self.order)
+            self.on_track = self.on_track and self.hint[p - 1:p] == [i]
+            if self.on_track:
+                self._prefetch(self.hint[p:p + self.depth])
         self.live[full.untyped_storage().data_ptr()] = i
         views = self.state.layout.views(self.state.layout.units[i], full)
         # No public torch API puts a plain tensor in a parameter's place inside one forward
@@ -219,7 +269,10 @@ class UnitGatherer:
         """Saved tensors that view a gathered unit are stored as recipes and regathered."""
         def pack(t: torch.Tensor) -> Any:
             i = self.live.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
-            return t if i is None else _Recipe(self, i, t)
+            if i is None:
+                return t
+            self.saved.add(self.entry[i])
+            return _Recipe(self, i, t)
 
         def unpack(x: Any) -> torch.Tensor:
             if not isinstance(x, _Recipe):
