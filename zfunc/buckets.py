@@ -7,10 +7,12 @@ completes them roughly in order, last layers first (DDP's buckets, DeepSpeed's `
 
 In forward each bucket is its own autograd node (`_BucketParams`), so its backward runs as soon
 as its parameters' gradients are complete. It starts, asynchronously, one reduce per rank that
-owns part of the bucket, straight into that owner's place in a shard-sized result, and backward
-goes on computing. Every bucket feeds one collector node (`_Collect`), which autograd runs after
-the last bucket: it waits for the reductions and hands the shard to the sink, as the one-piece
-reduce-scatter does.
+owns part of the bucket, and backward goes on computing. The owner's piece is reduced in place in
+the gradient accumulator itself (the sink's ``.grad``; the owner adds its accumulated shard to its
+own contribution first, so the sum lands there), or, when the accumulator's dtype is not the
+reduce dtype, in a shard-sized result. Every bucket feeds one collector node (`Collect`), which
+autograd runs after the last bucket: it waits for the reductions and hands a separate result to
+the sink, as the one-piece reduce-scatter does.
 
 Buckets start in a fixed order on every rank: a bucket whose node has not run yet holds back
 the ones after it, and the collector starts the buckets no gradient reached (parameters this
@@ -77,8 +79,9 @@ def plan_buckets(layout: Layout, bucket_elements: int) -> tuple[Bucket, ...]:
 
 
 class ShardPool:
-    """Shard-sized result buffers kept between backward passes (a large buffer allocated afresh
-    every step costs a page fault per page on the CPU)."""
+    """Shard-sized results for reductions that cannot land in the accumulator (its dtype is not
+    the reduce dtype), kept between backward passes (a large buffer allocated afresh every step
+    costs a page fault per page on the CPU). Nothing is allocated until first needed."""
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
         self.numel, self.dtype, self.device = numel, dtype, device
@@ -94,8 +97,8 @@ class ShardPool:
 class _Reducer:
     """One backward's reductions: started in bucket order, waited for by the collector."""
 
-    def __init__(self, state: TrainState, buckets: tuple[Bucket, ...], pool: ShardPool):
-        self.buckets, self.state, self.pool = buckets, state, pool
+    def __init__(self, state: TrainState, buckets: tuple[Bucket, ...], pool: ShardPool, sink: torch.Tensor):
+        self.buckets, self.state, self.pool, self.sink = buckets, state, pool, sink
         self.group = state.mesh.shard
         self.dtype = state.cfg.reduce_dtype
         self._reset()
@@ -105,6 +108,7 @@ class _Reducer:
         self.next = 0
         self.works: collections.deque = collections.deque()
         self.out: torch.Tensor | None = None
+        self.direct = False  # reducing into the accumulator (sink.grad) itself
 
     def arrived(self, k: int, grad: torch.Tensor) -> None:
         self.ready[k] = grad
@@ -118,19 +122,23 @@ class _Reducer:
         lay = self.state.layout
         (unit,) = lay.units
         if self.out is None:
-            self.out = self.pool.take()
+            acc = self.sink.grad
+            self.direct = acc is not None and acc.dtype == self.dtype
+            self.out = acc if self.direct else self.pool.take()
         for owner, start, stop in b.pieces:
             piece = grad.narrow(0, start - b.start, stop - start)
             if owner == self.group.rank:  # reduced straight into its place in this rank's shard
-                buf = self.out.narrow(0, start - owner * unit.shard, stop - start).copy_(piece)
+                mine = self.out.narrow(0, start - owner * unit.shard, stop - start)
+                buf = mine.add_(piece) if self.direct else mine.copy_(piece)
             else:  # a copy of our own: the reduce uses it as scratch
                 buf = piece.to(self.dtype, copy=True)
             self.works.append((comm.reduce_(buf, owner, "sum", self.group, async_op=True), buf))
         while len(self.works) > _IN_FLIGHT:
             self.works.popleft()[0].wait()
 
-    def finish(self) -> list[torch.Tensor]:
-        """Start what no gradient reached (with zeros), wait for all, and return the shard."""
+    def finish(self) -> list[torch.Tensor | None]:
+        """Start what no gradient reached (with zeros), wait for all, and return the shard (None
+        when it was reduced into the accumulator)."""
         for k in range(self.next, len(self.buckets)):
             b = self.buckets[k]
             if self.ready[k] is None:
@@ -138,10 +146,12 @@ class _Reducer:
             self._start(k)
         while self.works:
             self.works.popleft()[0].wait()
-        out = self.out
+        out, direct = self.out, self.direct
+        self._reset()  # a second backward over the same graph (retain_graph) starts afresh
+        if direct:
+            return [None]
         # Back to the pool once autograd has added it to the sink, at the end of this backward.
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self.pool.give(out))
-        self._reset()  # a second backward over the same graph (retain_graph) starts afresh
         return [out]
 
 
@@ -184,7 +194,7 @@ class _BucketParams(torch.autograd.Function):
 def bucket_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, ...],
                  pool: ShardPool) -> dict[str, torch.Tensor]:
     """Parameter views of ``state.compute`` whose gradients reach ``sink`` bucket by bucket."""
-    reducer = _Reducer(state, buckets, pool)
+    reducer = _Reducer(state, buckets, pool, sink)
     hub = Collect.apply(reducer, sink)
     views: dict[str, torch.Tensor] = {}
     for k, b in enumerate(buckets):
