@@ -172,6 +172,12 @@ def max_param_diff(state: zfunc.TrainState, model: nn.Module) -> float:
     return max((full[n] - ref[n].detach()).abs().max().item() for n in full)
 
 
+def between_steps(plan: dict[str, int]) -> dict[str, int]:
+    """What `zfunc.memory_report` shows between steps for a `zfunc.memory_plan`: the gradient
+    accumulator is released, the rest is held."""
+    return {**plan, "grads": 0, "total": plan["total"] - plan["grads"], "device": plan["device"] - plan["grads"]}
+
+
 def snapshot(tree: Any) -> list[torch.Tensor]:
     """Copies of every tensor leaf of a zfunc pytree."""
     return [t.clone() for t in zfunc.tree.leaves(tree)]

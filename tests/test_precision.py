@@ -71,10 +71,12 @@ def _low_precision(rank: int, master: torch.dtype, moments: torch.dtype, precisi
     for i in range(30):
         state = step(state, batch_fn(0, rank, 8))  # one fixed batch: the loss must fall
         losses.append(state.metrics.loss.item())
-    fp32 = zfunc.memory_report(zfunc.init(make(), zfunc.Config(stage=2)))
+    # Memory during a step (after a micro-batch: the gradient accumulator is held).
+    fp32, _ = zfunc.backward_step(zfunc.init(make(), zfunc.Config(stage=2)), loss_fn, batch_fn(0, rank, 8))
+    state, _ = zfunc.backward_step(state, loss_fn, batch_fn(0, rank, 8))
     return {"first": losses[0], "last": losses[-1], "dtypes": (state.params.dtype, state.grads.dtype,
             state.opt.mu.dtype, state.opt.nu.dtype, state.compute.dtype),
-            "mem": zfunc.memory_report(state), "fp32": fp32}
+            "mem": zfunc.memory_report(state), "fp32": zfunc.memory_report(fp32)}
 
 
 @pytest.mark.parametrize("master,moments,precision", [
@@ -87,7 +89,7 @@ def test_low_precision_masters_and_moments_train(master, moments, precision):
         assert r["last"] < 0.8 * r["first"], r
         compute = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
         assert r["dtypes"] == (master, master, moments, moments, compute), r["dtypes"]
-        assert r["mem"]["grads"] * 2 == r["fp32"]["grads"]
+        assert r["mem"]["grads"] * 2 == r["fp32"]["grads"] > 0
         assert r["mem"]["optimizer"] < r["fp32"]["optimizer"] or moments == torch.float32
         assert r["mem"]["total"] < r["fp32"]["total"]
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 import zfunc
-from tests.helpers import MODELS, bitwise_equal as _bitwise_equal, run_ranks, snapshot as _snapshot, zoo_batch, zoo_loss
+from tests.helpers import (MODELS, between_steps, bitwise_equal as _bitwise_equal, run_ranks, snapshot as _snapshot,
+                           zoo_batch, zoo_loss)
 
 
 def _purity(rank: int, stage: int) -> tuple[bool, bool, bool]:
@@ -45,17 +46,24 @@ def _memory(rank: int, stage: int) -> tuple[dict, int, int, dict, dict, dict]:
     bf16 = cfg.replace(precision="bf16", master_dtype=torch.bfloat16, moment_dtype=torch.bfloat16)
     bf16_plan = zfunc.memory_plan(model, bf16, zfunc.comm.world().size)
     state = zfunc.init(model, cfg)
+    loss_fn, x = (lambda m, x: m(x).sum()), torch.randn(2, 30)
+    reports = [zfunc.memory_report(state)]  # at init, after a micro-batch, after the step
+    state, _ = zfunc.backward_step(state, loss_fn, x)
+    reports.append(zfunc.memory_report(state))
+    state, _ = zfunc.backward_step(state, loss_fn, x)
+    reports.append(zfunc.memory_report(zfunc.apply_step(state)))
     torch.manual_seed(0)
-    bf16_report = zfunc.memory_report(zfunc.init(
-        torch.nn.Sequential(torch.nn.Linear(30, 31), torch.nn.Linear(31, 5)), bf16))
-    return zfunc.memory_report(state), state.layout.numel, state.layout.full_numel, plan, bf16_plan, bf16_report
+    low, _ = zfunc.backward_step(zfunc.init(torch.nn.Sequential(torch.nn.Linear(30, 31), torch.nn.Linear(31, 5)),
+                                            bf16), loss_fn, x)
+    return reports, state.layout.numel, state.layout.full_numel, plan, bf16_plan, zfunc.memory_report(low)
 
 
 def test_memory_report_follows_the_zero_formula():
     for world in (1, 2, 3):
         for stage in (0, 1, 2, 3):
-            for rep, numel, padded, plan, bf16_plan, bf16_report in run_ranks(_memory, world, stage):
-                assert rep == plan and bf16_plan == bf16_report  # the plan is what init allocates
+            for (at_init, rep, after), numel, padded, plan, bf16_plan, bf16_report in run_ranks(_memory, world, stage):
+                assert rep == plan and bf16_plan == bf16_report  # the plan is what a step holds
+                assert at_init == after == between_steps(plan)  # no gradient memory between steps
                 assert numel == 1121
                 units = 1 if stage < 3 else 2  # each unit is padded to a multiple of world * 4
                 assert padded % (world * 4) == 0 and padded - numel < units * world * 4

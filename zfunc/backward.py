@@ -23,10 +23,10 @@ import torch
 from zfunc import comm
 from zfunc._tree import tree
 from zfunc.binding import BoundModel, cotangent_factor
-from zfunc.state import TrainState
+from zfunc.state import TrainState, accumulator
 
-__all__ = ["backward_step", "vjp", "accumulate", "record_micro", "check_room", "sinks_into", "grad_views",
-           "bind"]
+__all__ = ["backward_step", "vjp", "accumulate", "record_micro", "check_room", "sinks_into", "point_sinks",
+           "grad_views", "bind"]
 
 
 def check_room(state: TrainState, what: str) -> None:
@@ -85,6 +85,12 @@ def grad_views(state: TrainState, grads: torch.Tensor) -> list[torch.Tensor]:
     return [lay.arena_slice(grads, u) if state.cfg.shards_grads else grads.narrow(0, 0, u.padded) for u in lay.units]
 
 
+def point_sinks(sinks: list[torch.Tensor], state: TrainState, grads: torch.Tensor) -> None:
+    """Make ``sinks`` (from `sinks_into`) deliver into ``grads`` from now on."""
+    for sink, part in zip(sinks, grad_views(state, grads)):
+        sink.grad = part
+
+
 def sinks_into(state: TrainState, grads: torch.Tensor) -> list[torch.Tensor]:
     """One zero-memory leaf per unit whose ``.grad`` is that unit's part of ``grads``.
 
@@ -135,7 +141,7 @@ def backward_step(state: TrainState, loss_fn: Callable[..., Any], batch: Any, *,
         (0.0432, 1)
     """
     check_room(state, "backward_step")
-    grads = state.grads if donate else state.grads.clone()
+    grads = accumulator(state.grads, donate)
     model = bind(state, sinks_into(state, grads), donate=donate)
     out = loss_fn(model, batch)
     loss, aux = out if has_aux else (out, None)
@@ -186,7 +192,7 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
         (torch.Size([4, 3]), torch.Size([4, 2]), 1)
     """
     check_room(state, "vjp")
-    first = state.grads if donate else state.grads.clone()
+    first = accumulator(state.grads, donate)
     sinks = sinks_into(state, first)
     args = list(args)
     wrt = []
@@ -216,9 +222,8 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
                 raise ValueError(f"pullback: cotangent shape {list(c.shape)} differs from output shape "
                                  f"{list(o.shape)}")
         if calls["n"]:  # an independent result: fresh gradient buffers behind the same sinks
-            grads = state.grads.clone()
-            for sink, part in zip(sinks, grad_views(state, grads)):
-                sink.grad = part
+            grads = accumulator(state.grads, False)
+            point_sinks(sinks, state, grads)
         else:
             grads = first
         for a in wrt:
@@ -269,7 +274,7 @@ def accumulate(state: TrainState, grads: dict[str, torch.Tensor], *, loss: torch
         if cfg.shards_grads:
             flat = comm.reduce_scatter(flat, "sum", state.mesh.shard)
         unit_grads.append(flat.to(cfg.grad_accum_dtype))
-    grads = state.grads if donate else state.grads.clone()
+    grads = accumulator(state.grads, donate)
     for part, g in zip(grad_views(state, grads), unit_grads):
         part.add_(g)
     return record_micro(state, grads, loss=loss)

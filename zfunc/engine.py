@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from zfunc import comm
-from zfunc.backward import bind, record_micro, sinks_into
+from zfunc.backward import bind, point_sinks, record_micro, sinks_into
 from zfunc.checkpoint import load, read_extra, save
 from zfunc.config import Config
 from zfunc.create import full_params, init
@@ -29,7 +29,7 @@ from zfunc.deepspeed_config import BatchSizes, translate
 from zfunc.errors import ConfigError
 from zfunc.optim import OPTIMIZERS
 from zfunc.shim_optim import OptimizerView, plan_groups
-from zfunc.state import TrainState
+from zfunc.state import TrainState, accumulator, is_released
 from zfunc.update import apply_step, learning_rates, set_hyperparams
 
 __all__ = ["Engine", "initialize", "init_distributed", "add_config_arguments"]
@@ -118,7 +118,11 @@ class Engine:
         """The module's forward on the state's parameters (under autocast if configured).
 
         Buffers (BatchNorm statistics) are updated in the state in place: the engine donates."""
-        return bind(self._state, self._sinks, donate=True)(*args, **kwargs)
+        st = self._state
+        if torch.is_grad_enabled() and is_released(st.grads):  # none is held between steps
+            self._state = st = st.replace(grads=accumulator(st.grads, donate=True))
+            point_sinks(self._sinks, st, st.grads)
+        return bind(st, self._sinks, donate=True)(*args, **kwargs)
 
     __call__ = forward
 
@@ -176,8 +180,9 @@ class Engine:
             for g, values in self.optimizer.changes():  # live edits of optimizer.param_groups
                 st = set_hyperparams(st, g, **values)
             st = apply_step(st, donate=True)
+            point_sinks(self._sinks, st, st.grads)  # released: the step's gradient buffer is freed
             self.global_samples += self._batch.train_batch_size if self._batch else 0
-        self._state = st  # same buffers: sinks and module views stay valid
+        self._state = st  # the same parameter buffers: the module's views stay valid
         if boundary:
             self._share_module_params()  # the buffers may be new tensors (rank 0's)
         self._applied = boundary
@@ -191,7 +196,8 @@ class Engine:
 
     def zero_grad(self) -> None:
         """Drop the gradients accumulated since the last step."""
-        self._state.grads.zero_()
+        if not is_released(self._state.grads):
+            self._state.grads.zero_()
 
     def was_step_applied(self) -> bool:
         """Whether the last `step` changed the weights (a boundary without overflow)."""

@@ -8,7 +8,7 @@ from zfunc.config import Config
 from zfunc.create import trainable_params, units_of
 from zfunc.layout import make_layout
 from zfunc.mesh import shard_ranks
-from zfunc.state import TrainState
+from zfunc.state import TrainState, is_released
 
 __all__ = ["memory_report", "memory_plan"]
 
@@ -17,16 +17,21 @@ def memory_report(state: TrainState) -> dict[str, int]:
     """Bytes this rank holds for parameters, gradients and optimizer state, and where.
 
     ``params`` counts the compute copy and the master copy once each (once in total where they
-    share memory); ``optimizer`` counts the optimizer's slots (Adam's two moments, SGD's, Lion's
+    share memory); ``grads`` the gradient accumulator, 0 between optimizer steps (it is released
+    after each step and allocated by the next micro-batch); ``optimizer`` counts the optimizer's slots (Adam's two moments, SGD's, Lion's
     or Adagrad's one); ``total`` adds them up. ``device`` and ``host`` split ``total`` between the
     compute device and the host arena of ``Config.offload_optimizer`` (which holds the master and
     the optimizer's slots; ``host`` is 0 without offload).
 
     Examples:
         >>> import torch, zfunc
-        >>> rep = zfunc.memory_report(zfunc.init(torch.nn.Linear(7, 1), zfunc.Config(stage=0)))
+        >>> state = zfunc.init(torch.nn.Linear(7, 1), zfunc.Config(stage=0))
+        >>> rep = zfunc.memory_report(state)
         >>> rep["params"], rep["grads"], rep["optimizer"], rep["host"]
-        (32, 32, 64, 0)
+        (32, 0, 64, 0)
+        >>> state, _ = zfunc.backward_step(state, lambda model, x: model(x).sum(), torch.ones(1, 7))
+        >>> zfunc.memory_report(state)["grads"]                      # during a step
+        32
     """
     def nbytes(*ts: torch.Tensor) -> int:
         seen: dict[int, int] = {}
@@ -36,7 +41,7 @@ def memory_report(state: TrainState) -> dict[str, int]:
         return sum(seen.values())
 
     slots = [getattr(state.opt, n) for n in state.cfg.optimizer.slots]
-    rep = {"params": nbytes(state.params, state.compute), "grads": nbytes(state.grads),
+    rep = {"params": nbytes(state.params, state.compute), "grads": 0 if is_released(state.grads) else nbytes(state.grads),
            "optimizer": sum(nbytes(t) for t in slots)}
     host = nbytes(state.params) + rep["optimizer"] if state.cfg.offload_optimizer else 0
     return _totals(rep, host)
@@ -48,7 +53,10 @@ def _totals(rep: dict[str, int], host: int) -> dict[str, int]:
 
 
 def memory_plan(model: torch.nn.Module, cfg: Config, world_size: int) -> dict[str, int]:
-    """The bytes `memory_report` will show on each rank, computed from shapes alone.
+    """The bytes `memory_report` will show on each rank during a step, computed from shapes alone.
+
+    ``grads`` is the gradient accumulator a step allocates with its first micro-batch (between
+    steps `memory_report` shows 0 there), so ``total`` is the model state's peak.
 
     Nothing is allocated and no process group is needed, so any world size can be planned.
     With ``cfg.shard_size`` the state is sharded over that many ranks instead of the world; with

@@ -22,7 +22,43 @@ if TYPE_CHECKING:
     from zfunc.mesh import Mesh
     from zfunc.scaler import ScalerState
 
-__all__ = ["TrainState", "AdamState", "SGDState", "LionState", "AdagradState", "GroupHyper", "Metrics"]
+__all__ = ["TrainState", "AdamState", "SGDState", "LionState", "AdagradState", "GroupHyper", "Metrics",
+           "released_grads", "is_released", "accumulator"]
+
+
+def released_grads(numel: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A flat gradient accumulator of ``numel`` elements that holds no memory: zeros, as a
+    broadcast scalar. The state holds one between optimizer steps (after `zfunc.init`,
+    `zfunc.apply_step` and `zfunc.load`), as torch's ``zero_grad(set_to_none=True)``, DeepSpeed
+    and FSDP2 free gradients after the step; the first micro-batch of a step allocates a real one.
+
+    Examples:
+        >>> import torch
+        >>> g = released_grads(4, torch.float32, "cpu")
+        >>> g.tolist(), g.untyped_storage().nbytes(), is_released(g)
+        ([0.0, 0.0, 0.0, 0.0], 4, True)
+    """
+    return torch.zeros((), dtype=dtype, device=device).expand(numel)
+
+
+def is_released(grads: torch.Tensor) -> bool:
+    """Whether ``grads`` is a released accumulator (see `released_grads`)."""
+    return grads.dim() == 1 and grads.stride(0) == 0
+
+
+def accumulator(grads: torch.Tensor, donate: bool) -> torch.Tensor:
+    """A gradient buffer to accumulate into, holding ``grads``' values: zeros newly allocated for
+    a released one, else ``grads`` itself when donated, else a copy.
+
+    Examples:
+        >>> import torch
+        >>> acc = accumulator(released_grads(3, torch.float32, "cpu"), donate=True)
+        >>> acc.tolist(), is_released(acc)
+        ([0.0, 0.0, 0.0], False)
+    """
+    if is_released(grads):
+        return torch.zeros(grads.shape, dtype=grads.dtype, device=grads.device)
+    return grads if donate else grads.clone()
 
 
 @dataclass(frozen=True)
@@ -142,6 +178,7 @@ class TrainState:
             stages 0-2, this rank's arena for stage 3. Aliases ``params`` when the dtypes agree.
         grads: the gradient accumulator: this rank's arena where backward reduce-scatters
             (`Config.shards_grads`: stages 2-3, and stage 1 at ``grad_accum=1``), else full.
+            Between optimizer steps it is released (`released_grads`: zeros that hold no memory).
         opt: the optimizer's state record (`AdamState`, `SGDState`, `LionState`,
             `AdagradState`), its slots shaped like ``params``.
         hyper: `GroupHyper`: each parameter group's learning rate, weight decay, betas, eps.

@@ -27,7 +27,7 @@ import zfunc_kernels
 from zfunc import comm
 from zfunc.layout import master_view
 from zfunc.scaler import scaler_update
-from zfunc.state import GroupHyper, Metrics, TrainState
+from zfunc.state import GroupHyper, Metrics, TrainState, accumulator, is_released, released_grads
 
 __all__ = ["apply_step", "learning_rate", "learning_rates", "set_hyperparams"]
 
@@ -125,6 +125,8 @@ def _reduce(state: TrainState, donate: bool) -> torch.Tensor:
     """
     cfg, mesh = state.cfg, state.mesh
     grads = state.grads
+    if is_released(grads):  # a step without a micro-batch: zeros, a buffer of our own
+        grads, donate = accumulator(grads, donate), True
     if not cfg.shards_grads and mesh.world.size > 1:
         wire = grads.to(cfg.reduce_dtype)
         if state.stage == 0:
@@ -160,7 +162,8 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
             it ``state`` is left bitwise unchanged.
 
     Returns:
-        The new state: ``step + 1``, gradients zeroed, ``metrics`` filled in.
+        The new state: ``step + 1``, gradients released (zeros holding no memory until the next
+        micro-batch), ``metrics`` filled in.
 
     Examples:
         >>> import torch, zfunc
@@ -244,7 +247,7 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
     if state.stage in (1, 2):
         comm.all_gather_into(compute, master_view(compute, lay, state.stage), state.mesh.shard)  # in place
 
-    grads = state.grads.zero_() if donate else torch.zeros_like(state.grads)
+    grads = released_grads(state.grads.numel(), state.grads.dtype, state.device)  # until the next micro-batch
     scaler = scaler_update(state.scaler, found_inf, cfg, state.step)
     metrics = Metrics(loss=agreed[-2] / agreed[-1],  # NaN when no loss is known (or none was run)
                       grad_norm=grad_norm, loss_scale=state.scaler.scale,
