@@ -11,6 +11,8 @@ Contenders (``--only`` picks a comma-separated subset):
 * ``ddp``    DistributedDataParallel + torch.optim.AdamW (fused=True where it runs, else foreach)
 * ``fsdp2``  torch.distributed.fsdp.fully_shard per block + root, + AdamW
 * ``zero0`` .. ``zero3``  zfunc ZeRO stage 0..3 (stage 3 gathers one unit per transformer block)
+* ``noprefetch3``  zfunc ZeRO-3 with ``prefetch=0`` (each unit gathered when its module starts), to
+  measure what the prefetch buys
 * ``offload1`` .. ``offload3``  the same with ``offload_optimizer="cpu"`` (on this CPU machine the
   host arena is a second copy in the same memory: the cost of the copies, not of a PCIe link)
 * ``ds1`` .. ``ds3``  DeepSpeed's engine, ZeRO stage 1..3 (torch AdamW inside, ``torch_adam``), when
@@ -79,8 +81,8 @@ SEQ = 128
 MICRO_BATCH = 8
 WORLD = 2
 LR, WD, CLIP = 1e-3, 0.01, 1.0
-CONTENDERS = ["ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3", "engine2", "offload1", "offload2", "offload3",
-              "ds1", "ds2", "ds3"]
+CONTENDERS = ["ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3", "noprefetch3", "engine2", "offload1", "offload2",
+              "offload3", "ds1", "ds2", "ds3"]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -217,11 +219,11 @@ def _setup_fsdp2(precision: str, accum: int):
     return step, info
 
 
-def _setup_zfunc(stage: int, precision: str, accum: int, offload: str | None = None):
+def _setup_zfunc(stage: int, precision: str, accum: int, offload: str | None = None, prefetch: int = 1):
     from zfunc.models.gpt import Block
     model = _build_model()
     cfg = zfunc.Config(stage=stage, precision=precision, clip=CLIP, grad_accum=accum, offload_optimizer=offload,
-                       optimizer=zfunc.adamw(lr=LR, weight_decay=WD),
+                       optimizer=zfunc.adamw(lr=LR, weight_decay=WD), prefetch=prefetch,
                        units=(Block,) if stage == 3 else None)
     box = {"state": zfunc.init(model, cfg, donate=True)}  # the module runs only through zfunc
 
@@ -345,6 +347,8 @@ def _setup(name: str, precision: str, accum: int):
         return _setup_zfunc(int(name[4:]), precision, accum)
     if name.startswith("offload"):
         return _setup_zfunc(int(name[7:]), precision, accum, offload="cpu")
+    if name == "noprefetch3":
+        return _setup_zfunc(3, precision, accum, prefetch=0)
     raise ValueError(f"unknown contender {name!r}; expected one of {CONTENDERS}")
 
 
