@@ -252,6 +252,11 @@ class BoundModel:
                 for c in contexts:
                     stack.enter_context(c)
                 out = functional_call(self.state.binding.module, tensors, args, kwargs, tie_weights=True, strict=False)
+        except BaseException:
+            if self.gatherer is not None:  # collect the gathers started ahead (the error stays the news)
+                with contextlib.suppress(Exception):
+                    self.gatherer.drop_ahead()
+            raise
         finally:
             _CURRENT.reset(token)
         return self.finish(out, tensors)
@@ -296,7 +301,7 @@ class BoundModel:
             if state.group.size > 1 and state.device.type == "cpu":
                 check_same_units(self.gatherer.order, state.group)  # a host read: free on the CPU only
             if not _in_backward():
-                state.binding.unit_order = self.gatherer.order  # the next forward's prefetch hint
+                state.binding.unit_order = list(self.gatherer.order)  # the next forward's prefetch hint
         for name in self.buffers:  # a buffer the module reassigned (not updated in place)
             self.buffers[name] = tensors[name]
         scaled, count = scale_tree(out, cotangent_factor(state))

@@ -136,9 +136,9 @@ class _Reducer:
         while len(self.works) > _IN_FLIGHT:
             self.works.popleft()[0].wait()
 
-    def finish(self) -> list[torch.Tensor | None]:
-        """Start what no gradient reached (with zeros), wait for all, and return the shard (None
-        when it was reduced into the accumulator)."""
+    def finish(self) -> list[torch.Tensor]:
+        """Start what no gradient reached (with zeros), wait for all, and return the shard (a
+        broadcast zero when it was reduced into the accumulator)."""
         for k in range(self.next, len(self.buckets)):
             b = self.buckets[k]
             if self.ready[k] is None:
@@ -148,8 +148,9 @@ class _Reducer:
             self.works.popleft()[0].wait()
         out, direct = self.out, self.direct
         self._reset()  # a second backward over the same graph (retain_graph) starts afresh
-        if direct:
-            return [None]
+        if direct:  # the sum is in the accumulator already: a zero that holds no memory, so the
+            # sink's accumulation (and its hooks, which the engine counts on) still runs
+            return [torch.zeros((), dtype=out.dtype, device=out.device).expand(out.shape)]
         # Back to the pool once autograd has added it to the sink, at the end of this backward.
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self.pool.give(out))
         return [out]

@@ -65,7 +65,7 @@ class Engine:
         self._pending_loss: torch.Tensor | None = None
         self.state = init(model, cfg, group, donate=cfg.stage == 3)
         # engine.module(x) is engine(x): calls of the module run on the state, gradients included.
-        self._state.binding.route(lambda: bind(self._state, self._sinks, donate=True))
+        self._state.binding.route(self._bound)
         if cfg.stage == 3:
             model.register_state_dict_pre_hook(_no_stage3_state_dict)
         self.optimizer = OptimizerView(self, optimizer_groups)
@@ -118,11 +118,16 @@ class Engine:
         """The module's forward on the state's parameters (under autocast if configured).
 
         Buffers (BatchNorm statistics) are updated in the state in place: the engine donates."""
+        return self._bound()(*args, **kwargs)
+
+    def _bound(self) -> Any:
+        """The module bound to the state (for ``engine(x)`` and ``engine.module(x)``), with a real
+        gradient accumulator behind the sinks when autograd is on (none is held between steps)."""
         st = self._state
-        if torch.is_grad_enabled() and is_released(st.grads):  # none is held between steps
+        if torch.is_grad_enabled() and is_released(st.grads):
             self._state = st = st.replace(grads=accumulator(st.grads, donate=True))
             point_sinks(self._sinks, st, st.grads)
-        return bind(st, self._sinks, donate=True)(*args, **kwargs)
+        return bind(st, self._sinks, donate=True)
 
     __call__ = forward
 
