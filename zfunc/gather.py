@@ -210,7 +210,8 @@ class UnitGatherer:
         return got[0]
 
     def drop_ahead(self) -> None:
-        """Wait for and drop the prefetches nothing used (a forward or backward is over)."""
+        """A forward or backward is over: wait for and drop the prefetches nothing used, and
+        rewind backward's place in `expect` (for a second backward over the same graph)."""
         for _, handle in self.ahead.values():
             handle.wait()
         self.ahead.clear()
@@ -232,12 +233,16 @@ class UnitGatherer:
         if full is None:
             full = self.regathered[i] = self.fetch(i)
             if self.depth:
-                if self.expect is None:
-                    self.expect = [self.order[k] for k in sorted(self.saved, reverse=True)]
-                if i in self.expect[self.next_back:]:
-                    self.next_back = self.expect.index(i, self.next_back) + 1
-                    self._prefetch(self.expect[self.next_back:self.next_back + self.depth])
+                self._prefetch_backward(i)
         return full
+
+    def _prefetch_backward(self, i: int) -> None:
+        """Backward regathers unit ``i``: start the ones expected after it."""
+        if self.expect is None:
+            self.expect = [self.order[k] for k in sorted(self.saved, reverse=True)]
+        if i in self.expect[self.next_back:]:
+            self.next_back = self.expect.index(i, self.next_back) + 1
+            self._prefetch(self.expect[self.next_back:self.next_back + self.depth])
 
     def root_views(self) -> dict[str, torch.Tensor]:
         """The root unit's parameters (gathered once per call), by name."""

@@ -18,10 +18,11 @@ def memory_report(state: TrainState) -> dict[str, int]:
 
     ``params`` counts the compute copy and the master copy once each (once in total where they
     share memory); ``grads`` the gradient accumulator, 0 between optimizer steps (it is released
-    after each step and allocated by the next micro-batch); ``optimizer`` counts the optimizer's slots (Adam's two moments, SGD's, Lion's
-    or Adagrad's one); ``total`` adds them up. ``device`` and ``host`` split ``total`` between the
-    compute device and the host arena of ``Config.offload_optimizer`` (which holds the master and
-    the optimizer's slots; ``host`` is 0 without offload).
+    after each step and allocated by the next micro-batch); ``optimizer`` counts the optimizer's
+    slots (Adam's two moments, SGD's, Lion's or Adagrad's one); ``total`` adds them up. ``device``
+    and ``host`` split ``total`` between the compute device and the host arena of
+    ``Config.offload_optimizer`` (which holds the master and the optimizer's slots; ``host`` is 0
+    without offload).
 
     Examples:
         >>> import torch, zfunc
@@ -41,7 +42,8 @@ def memory_report(state: TrainState) -> dict[str, int]:
         return sum(seen.values())
 
     slots = [getattr(state.opt, n) for n in state.cfg.optimizer.slots]
-    rep = {"params": nbytes(state.params, state.compute), "grads": 0 if is_released(state.grads) else nbytes(state.grads),
+    grads = 0 if is_released(state.grads) else nbytes(state.grads)
+    rep = {"params": nbytes(state.params, state.compute), "grads": grads,
            "optimizer": sum(nbytes(t) for t in slots)}
     host = nbytes(state.params) + rep["optimizer"] if state.cfg.offload_optimizer else 0
     return _totals(rep, host)

@@ -128,9 +128,9 @@ class GroupHyper:
     Group 0 is the optimizer's own (parameters in no `zfunc.ParamGroup`); group ``i + 1`` is
     ``Config.param_groups[i]``. The fields cover every optimizer; each reads its own (Adam:
     lr, weight_decay, beta1, beta2, eps; SGD: lr, weight_decay, momentum, dampening; Lion: lr,
-    weight_decay, beta1, beta2; Adagrad: lr, weight_decay, lr_decay, eps) and the rest are 0. They are state, not config, so a training loop may change them
-    (`zfunc.set_hyperparams`, or ``optimizer.param_groups[i]["lr"] = ...`` in the engine) and a
-    checkpoint keeps them. On the host, reading them never waits for a GPU.
+    weight_decay, beta1, beta2; Adagrad: lr, weight_decay, lr_decay, eps) and the rest are 0.
+    They are state, not config, so a training loop may change them (`zfunc.set_hyperparams`, or
+    ``optimizer.param_groups[i]["lr"] = ...`` in the engine) and a checkpoint keeps them. On the host, reading them never waits for a GPU.
 
     Examples:
         >>> import torch, zfunc

@@ -120,8 +120,9 @@ def _reduce(state: TrainState, donate: bool) -> torch.Tensor:
     """This rank's summed gradient over the optimizer's domain, in the accumulation dtype.
 
     Stage 0 all-reduces over the world; stage 1 with ``grad_accum > 1`` reduce-scatters over the
-    shard group; otherwise (`Config.shards_grads`) backward reduce-scattered already. With replicas (``Config.shard_size``) the shard is then
-    all-reduced across them, once per step: the only collective that crosses replicas.
+    shard group; otherwise (`Config.shards_grads`) backward reduce-scattered already. With
+    replicas (``Config.shard_size``) the shard is then all-reduced across them, once per step: the
+    only collective that crosses replicas.
     """
     cfg, mesh = state.cfg, state.mesh
     grads = state.grads
