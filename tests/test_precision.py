@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import zfunc
-from tests.helpers import MODELS, autocast_losses, bitwise_equal, run_ranks, snapshot
+from tests.helpers import MODELS, autocast_losses, bitwise_equal, run_ranks, snapshot, split
 
 
 def _inject(rank: int, stage: int, precision: str, bad: float, shard_size: int | None = None) -> dict:
@@ -18,14 +18,17 @@ def _inject(rank: int, stage: int, precision: str, bad: float, shard_size: int |
     torch.manual_seed(0)
     ls = zfunc.DynamicLossScale(init=2.0**8, hysteresis=1) if precision == "fp16" else None
     state = zfunc.init(make(), zfunc.Config(stage=stage, precision=precision, loss_scale=ls, clip=1.0,
-                                            shard_size=shard_size))
-    state, _ = zfunc.backward_step(state, loss_fn, batch_fn(0, rank, 4))
+                                            shard_size=shard_size, grad_accum=2))
+    for mb in split(batch_fn(0, rank, 4), 2):
+        state, _ = zfunc.backward_step(state, loss_fn, mb)
     state = zfunc.apply_step(state)  # moments are non-zero from here on
-    state, _ = zfunc.backward_step(state, loss_fn, batch_fn(1, rank, 4))
-    if rank == world - 1:  # only the last rank's gradient shard overflows
-        grads = state.grads.clone()
+    first, last = split(batch_fn(1, rank, 4), 2)
+    state, _ = zfunc.backward_step(state, loss_fn, first)
+    if rank == world - 1:  # only the last rank's accumulated gradient overflows (before the last
+        grads = state.grads.clone()  # micro-batch, whose backward reduces it at stages 0-1)
         grads[grads.numel() // 2] = bad
         state = state.replace(grads=grads)
+    state, _ = zfunc.backward_step(state, loss_fn, last)
     kept = snapshot((state.params, state.compute, state.opt))
     after = zfunc.apply_step(state)
     return {"unchanged": bitwise_equal(kept, snapshot((after.params, after.compute, after.opt))),

@@ -85,7 +85,7 @@ class _Counting:
 
     def __getattr__(self, name):
         attr = getattr(self.real, name)
-        if name in ("all_reduce", "broadcast", "all_gather_object"):
+        if name in ("all_reduce", "reduce", "broadcast", "all_gather_object"):
             def counted(*a, **k):
                 if self.inside is None:  # not a step of a flat collective counted already
                     self.calls.append(name)
@@ -137,16 +137,19 @@ def _collectives(rank: int, stage: int) -> tuple[list, list, list]:
 
 
 def test_collectives_per_micro_step():
-    expected = {  # (each micro-step, the step boundary)
-        0: ([], ["all_reduce", "all_reduce"]),  # grads; then loss and counts
-        1: ([], ["reduce_scatter", "all_reduce", "all_gather"]),
-        2: (["reduce_scatter"], ["all_reduce", "all_gather"]),
+    expected = {  # (the first micro-step, the last, apply_step)
+        # stages 0-1: the last micro-batch's backward reduces the accumulated gradient (one
+        # bucket here: an all-reduce at stage 0, a reduce to each owner at stage 1)
+        0: ([], ["all_reduce"], ["all_reduce"]),  # apply_step: loss and counts
+        1: ([], ["reduce", "reduce"], ["all_reduce", "all_gather"]),
+        2: (["reduce_scatter"], ["reduce_scatter"], ["all_reduce", "all_gather"]),
         # stage 3: each unit's gather, the units-agree check after forward, the reduce-scatter
-        3: (["all_gather", "all_reduce", "reduce_scatter"], ["all_reduce"]),
+        3: (["all_gather", "all_reduce", "reduce_scatter"], ["all_gather", "all_reduce", "reduce_scatter"],
+            ["all_reduce"]),
     }
-    for stage, (micro, boundary) in expected.items():
+    for stage, (micro, last, boundary) in expected.items():
         for first, second, at_step in run_ranks(_collectives, 2, stage):
-            assert first == micro and second == micro, (stage, first, second)
+            assert first == micro and second == last, (stage, first, second)
             assert at_step == boundary, (stage, at_step)
 
 

@@ -11,6 +11,11 @@ non-scalar backward with a user-given gradient is scaled too, and models compose
 
 Every way of adding a micro-batch ends in `record_micro`: the micro-step count, the loss sum
 (NaN for a micro-batch whose loss zfunc was not given) and the new buffers, in one place.
+
+At stages 0-1 the step's last micro-batch (``micro_step == grad_accum - 1``) reduces the whole
+accumulated gradient during its backward, bucket by bucket (`boundary_fold`,
+`zfunc.buckets.Fold`), where the other micro-batches only accumulate locally; `accumulate`
+leaves the reduce to `zfunc.apply_step`.
 """
 
 from __future__ import annotations
@@ -23,10 +28,11 @@ import torch
 from zfunc import comm
 from zfunc._tree import tree
 from zfunc.binding import BoundModel, cotangent_factor
+from zfunc.buckets import Fold
 from zfunc.state import TrainState, accumulator
 
 __all__ = ["backward_step", "vjp", "accumulate", "record_micro", "check_room", "sinks_into", "point_sinks",
-           "grad_views", "bind"]
+           "grad_views", "bind", "boundary_fold"]
 
 
 def check_room(state: TrainState, what: str) -> None:
@@ -52,9 +58,16 @@ def check_room(state: TrainState, what: str) -> None:
 
 
 def record_micro(state: TrainState, grads: torch.Tensor, *, loss: torch.Tensor | None = None,
-                 buffers: dict[str, torch.Tensor] | None = None) -> TrainState:
+                 buffers: dict[str, torch.Tensor] | None = None, fold: Fold | None = None) -> TrainState:
     """The state after one more micro-batch: its gradients in ``grads``, its loss (or NaN when
     not known) added to ``loss_sum``, ``micro_step + 1``, and the buffers its forward left.
+
+    With ``fold`` (the micro-batch's backward reduced the accumulator, `boundary_fold`) the
+    state holds the reduced gradient (``reduced``): at stage 1 this rank's shard of ``grads``.
+
+    Raises:
+        RuntimeError: ``fold`` reduced some buckets but not all (a backward that raised part
+            way): the accumulator is neither local nor reduced.
 
     Examples:
         >>> import torch, zfunc
@@ -65,18 +78,49 @@ def record_micro(state: TrainState, grads: torch.Tensor, *, loss: torch.Tensor |
     """
     value = (torch.full((), float("nan"), device=state.device) if loss is None
              else loss.detach().reshape(()).to(torch.float32))
+    reduced = fold is not None and fold.done
+    if fold is not None and fold.started and not reduced:
+        raise RuntimeError("the backward of the step's last micro-batch stopped part way through reducing the "
+                           "gradient (see the error it raised); the accumulated gradient is lost: restart the step "
+                           "from a state saved before it")
+    if reduced and state.stage == 1:
+        grads = grads.narrow(0, *state.layout.owned_start_len(state.layout.units[0]))
     return state.replace(grads=grads, micro_step=state.micro_step + 1, loss_sum=state.loss_sum + value,
-                         buffers=state.buffers if buffers is None else buffers)
+                         buffers=state.buffers if buffers is None else buffers, reduced=reduced)
 
 
-def bind(state: TrainState, sinks: Sequence[torch.Tensor], *, donate: bool = False) -> BoundModel:
-    """The module as a function of its inputs on ``state``'s parameters, gradients to ``sinks``.
+def boundary_fold(state: TrainState) -> Fold | None:
+    """A `zfunc.buckets.Fold` for a micro-batch that ends the step, where its backward can reduce
+    the accumulated gradient (stages 0-1 without `Config.shards_grads`, more than one rank to
+    reduce over, the accumulator in the reduce dtype); else None (`zfunc.apply_step` reduces).
+
+    Examples:
+        >>> import torch, zfunc
+        >>> boundary_fold(zfunc.init(torch.nn.Linear(1, 1), zfunc.Config(stage=0))) is None  # one rank
+        True
+    """
+    cfg = state.cfg
+    group = state.mesh.world if state.stage == 0 else state.mesh.shard
+    if cfg.shards_grads or group.size == 1 or cfg.reduce_dtype != cfg.grad_accum_dtype:
+        return None
+    return Fold(len(state.binding.buckets(state)))
+
+
+def _ends_step(state: TrainState) -> Fold | None:
+    """`boundary_fold` for the micro-batch about to run, if it is the step's last."""
+    return boundary_fold(state) if int(state.micro_step) == state.cfg.grad_accum - 1 else None
+
+
+def bind(state: TrainState, sinks: Sequence[torch.Tensor], *, donate: bool = False,
+         fold: Fold | None = None) -> BoundModel:
+    """The module as a function of its inputs on ``state``'s parameters, gradients to ``sinks``
+    (reducing the accumulator in backward with ``fold``, `boundary_fold`).
 
     Buffers are cloned for the call (the new values are the bound model's ``buffers``), or
     updated in place with ``donate``.
     """
     buffers = dict(state.buffers) if donate else {n: b.clone() for n, b in state.buffers.items()}
-    return state.binding.bind(state, sinks, buffers)
+    return state.binding.bind(state, sinks, buffers, fold)
 
 
 def grad_views(state: TrainState, grads: torch.Tensor) -> list[torch.Tensor]:
@@ -111,7 +155,8 @@ def backward_step(state: TrainState, loss_fn: Callable[..., Any], batch: Any, *,
     """Run ``loss_fn(model, batch)`` and accumulate its gradient into the state.
 
     One micro-batch: stage 2-3 gradients are reduce-scattered to their owners during backward;
-    stages 0-1 keep the full local gradient until `apply_step`. Buffers the forward updates
+    stages 0-1 accumulate the full local gradient and reduce it during the backward of the
+    step's last micro-batch. Buffers the forward updates
     (BatchNorm's running statistics) come back in the new state's ``buffers``.
 
     Raises:
@@ -141,8 +186,9 @@ def backward_step(state: TrainState, loss_fn: Callable[..., Any], batch: Any, *,
         (0.0432, 1)
     """
     check_room(state, "backward_step")
+    fold = _ends_step(state)
     grads = accumulator(state.grads, donate)
-    model = bind(state, sinks_into(state, grads), donate=donate)
+    model = bind(state, sinks_into(state, grads), donate=donate, fold=fold)
     out = loss_fn(model, batch)
     loss, aux = out if has_aux else (out, None)
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
@@ -151,7 +197,7 @@ def backward_step(state: TrainState, loss_fn: Callable[..., Any], batch: Any, *,
                                                         if isinstance(loss, torch.Tensor) else ""))
     loss.backward()  # into `grads` through the sinks (plain backward: reentrant checkpointing works)
     loss = loss.detach().reshape(())
-    new = record_micro(state, grads, loss=loss, buffers=model.buffers)
+    new = record_micro(state, grads, loss=loss, buffers=model.buffers, fold=fold)
     return new, ((loss, aux) if has_aux else loss)
 
 
@@ -192,6 +238,7 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
         (torch.Size([4, 3]), torch.Size([4, 2]), 1)
     """
     check_room(state, "vjp")
+    fold = _ends_step(state)
     first = accumulator(state.grads, donate)
     sinks = sinks_into(state, first)
     args = list(args)
@@ -202,7 +249,7 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
             raise TypeError(f"argnums: argument {i} must be a floating-point tensor")
         args[i] = a.detach().requires_grad_()
         wrt.append(args[i])
-    model = bind(state, sinks, donate=donate)
+    model = bind(state, sinks, donate=donate, fold=fold)
     out = fn(model, *args)
     outs, spec = tree.flatten(out)
     calls = {"n": 0, "retained": True}
@@ -224,6 +271,8 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
         if calls["n"]:  # an independent result: fresh gradient buffers behind the same sinks
             grads = accumulator(state.grads, False)
             point_sinks(sinks, state, grads)
+            if fold is not None:
+                fold.reset()
         else:
             grads = first
         for a in wrt:
@@ -231,7 +280,7 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
         calls["n"] += 1
         calls["retained"] = retain_graph
         torch.autograd.backward(outs, cots, retain_graph=retain_graph)
-        new = record_micro(state, grads, loss=loss, buffers=model.buffers)
+        new = record_micro(state, grads, loss=loss, buffers=model.buffers, fold=fold)
         if not argnums:
             return new
         return new, tuple(torch.zeros_like(a) if a.grad is None else a.grad for a in wrt)

@@ -26,7 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 from zfunc import comm
 from zfunc._tree import tree
-from zfunc.buckets import Bucket, ShardPool, bucket_views, plan_buckets
+from zfunc.buckets import Bucket, Fold, ShardPool, bucket_views, plan_buckets
 from zfunc.cotangent import scale_tree
 from zfunc.gather import UnitGatherer, check_same_units
 from zfunc.gather import in_backward as _in_backward
@@ -89,7 +89,7 @@ class ModuleBinding:
             self._install_unit_hooks()
 
     def buckets(self, state: TrainState) -> tuple[Bucket, ...]:
-        """Stage 2's gradient buckets (`zfunc.buckets`), planned on first use."""
+        """The gradient buckets of stages 0-2 (`zfunc.buckets`), planned on first use."""
         if self._buckets is None:
             cfg = state.cfg
             size = torch.empty((), dtype=cfg.reduce_dtype).element_size()
@@ -226,10 +226,10 @@ class ModuleBinding:
         self.unit_params = {}
         self._members = []
 
-    def bind(self, state: TrainState, sinks: Sequence[torch.Tensor],
-             buffers: dict[str, torch.Tensor]) -> BoundModel:
+    def bind(self, state: TrainState, sinks: Sequence[torch.Tensor], buffers: dict[str, torch.Tensor],
+             fold: Fold | None = None) -> BoundModel:
         """The module as a function of its inputs on ``state``'s parameters and ``buffers``."""
-        return BoundModel(state, list(sinks), buffers)
+        return BoundModel(state, list(sinks), buffers, fold)
 
 
 class BoundModel:
@@ -238,10 +238,12 @@ class BoundModel:
     Gradients of anything computed from its outputs reach ``sinks`` (see
     `zfunc.backward.sinks_into`). ``buffers`` (cloned by the caller unless donated) receive
     the buffers' new values, e.g. BatchNorm running statistics, for the state that follows.
+    With ``fold`` (stages 0-1, the step's last micro-batch) backward reduces the accumulator.
     """
 
-    def __init__(self, state: TrainState, sinks: list[torch.Tensor], buffers: dict[str, torch.Tensor]):
-        self.state, self.sinks, self.buffers = state, sinks, buffers
+    def __init__(self, state: TrainState, sinks: list[torch.Tensor], buffers: dict[str, torch.Tensor],
+                 fold: Fold | None = None):
+        self.state, self.sinks, self.buffers, self.fold = state, sinks, buffers, fold
         self.gatherer: UnitGatherer | None = None  # stage 3, during a call
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -278,6 +280,9 @@ class BoundModel:
             buckets = binding.buckets(state) if cfg.shards_grads and state.mesh.shard.size > 1 else ()
             if len(buckets) > 1:  # reduced bucket by bucket during backward
                 tensors.update(bucket_views(state, self.sinks[0], buckets, binding._pool))
+            elif self.fold is not None:  # the step's last micro-batch: the accumulator reduced in backward
+                tensors.update(bucket_views(state, self.sinks[0], binding.buckets(state), binding._pool,
+                                            self.fold))
             else:
                 full = comm.unit_params(self.sinks[0], None, state.compute, state.mesh.shard, cfg.reduce_dtype,
                                         cfg.shards_grads, fresh_grad=lay.splits(unit) > 1)

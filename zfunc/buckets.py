@@ -1,4 +1,4 @@
-"""Gradient buckets: stage 2 reduces gradients during backward, overlapped with the rest of it.
+"""Gradient buckets: gradients reduced during backward, overlapped with the rest of it.
 
 At stages 0-2 the trainable parameters form one unit: one flat buffer of which rank ``r`` owns
 the contiguous slice ``r``. A *bucket* is a run of whole parameters of that buffer holding about
@@ -6,13 +6,22 @@ the contiguous slice ``r``. A *bucket* is a run of whole parameters of that buff
 completes them roughly in order, last layers first (DDP's buckets, DeepSpeed's ``overlap_comm``).
 
 In forward each bucket is its own autograd node (`_BucketParams`), so its backward runs as soon
-as its parameters' gradients are complete. It starts, asynchronously, one reduce per rank that
-owns part of the bucket, and backward goes on computing. The owner's piece is reduced in place in
-the gradient accumulator itself (the sink's ``.grad``; the owner adds its accumulated shard to its
+as its parameters' gradients are complete. It starts, asynchronously, the bucket's collectives
+and backward goes on computing. Every bucket feeds one collector node (`Collect`), which
+autograd runs after the last bucket: it waits for the reductions and hands the result to the sink.
+
+Where backward reduces (`Config.shards_grads`: stage 2, stage 1 at ``grad_accum=1``), each
+bucket is one reduce per rank that owns part of it. The owner's piece is reduced in place in the
+gradient accumulator itself (the sink's ``.grad``; the owner adds its accumulated shard to its
 own contribution first, so the sum lands there), or, when the accumulator's dtype is not the
-reduce dtype, in a shard-sized result. Every bucket feeds one collector node (`Collect`), which
-autograd runs after the last bucket: it waits for the reductions and hands a separate result to
-the sink, as the one-piece reduce-scatter does.
+reduce dtype, in a shard-sized result.
+
+Stages 0-1 otherwise accumulate the full local gradient and reduce it once per step. The step's
+last micro-batch (the accumulation boundary) folds that reduce into its backward (a `Fold`): a
+bucket's gradient is added to the local accumulator and the sum reduced in place, all-reduced at
+stage 0, reduced to each piece's owner at stage 1; `zfunc.apply_step` then finds the gradient
+reduced (``TrainState.reduced``). The accumulator enters the reduce once per bucket: a second
+call of the model in the same micro-batch reduces only its own gradient and adds the result.
 
 Buckets start in a fixed order on every rank: a bucket whose node has not run yet holds back
 the ones after it, and the collector starts the buckets no gradient reached (parameters this
@@ -33,7 +42,7 @@ from zfunc.layout import Layout, Slot
 if TYPE_CHECKING:
     from zfunc.state import TrainState
 
-__all__ = ["Bucket", "ShardPool", "plan_buckets", "bucket_views"]
+__all__ = ["Bucket", "Fold", "ShardPool", "plan_buckets", "bucket_views"]
 
 _IN_FLIGHT = 4  # reductions running at once (bounds the memory of non-owned bucket copies)
 
@@ -94,17 +103,54 @@ class ShardPool:
         self.free.append(t)
 
 
+class Fold:
+    """The accumulation boundary of stages 0-1 (see the module docstring): which buckets' local
+    accumulator went into a reduce already. One per micro-batch, shared by every call of the
+    model in it; `done` once every bucket was reduced.
+
+    Examples:
+        >>> f = Fold(2)
+        >>> f.folded[0] = True
+        >>> f.done, f.started
+        (False, True)
+    """
+
+    def __init__(self, n: int):
+        self.folded = [False] * n
+
+    @property
+    def done(self) -> bool:
+        return all(self.folded)
+
+    @property
+    def started(self) -> bool:
+        return any(self.folded)
+
+    def reset(self) -> None:
+        """Forget the folds (a fresh accumulator behind the same sinks)."""
+        self.folded = [False] * len(self.folded)
+
+
+_UNREACHED = object()  # a bucket no gradient reached in this backward
+
+
 class _Reducer:
     """One backward's reductions: started in bucket order, waited for by the collector."""
 
-    def __init__(self, state: TrainState, buckets: tuple[Bucket, ...], pool: ShardPool, sink: torch.Tensor):
-        self.buckets, self.state, self.pool, self.sink = buckets, state, pool, sink
-        self.group = state.mesh.shard
+    def __init__(self, state: TrainState, buckets: tuple[Bucket, ...], pool: ShardPool, sink: torch.Tensor,
+                 fold: Fold | None):
+        self.buckets, self.state, self.pool, self.sink, self.fold = buckets, state, pool, sink, fold
+        mesh = state.mesh
+        self.group = mesh.world if state.stage == 0 else mesh.shard
         self.dtype = state.cfg.reduce_dtype
+        (unit,) = state.layout.units
+        # Where owner r's piece sits in the buffer reduced into: the accumulator is a shard
+        # (`Config.shards_grads`) or the full local gradient (a fold).
+        self.shard = unit.shard if fold is None else 0
         self._reset()
 
     def _reset(self) -> None:
-        self.ready: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self.ready: list[Any] = [None] * len(self.buckets)
         self.next = 0
         self.works: collections.deque = collections.deque()
         self.out: torch.Tensor | None = None
@@ -119,33 +165,70 @@ class _Reducer:
     def _start(self, k: int) -> None:
         b, grad = self.buckets[k], self.ready[k]
         self.ready[k] = None
-        lay = self.state.layout
-        (unit,) = lay.units
         if self.out is None:
             acc = self.sink.grad
-            self.direct = acc is not None and acc.dtype == self.dtype
+            self.direct = self.fold is not None or (acc is not None and acc.dtype == self.dtype)
             self.out = acc if self.direct else self.pool.take()
+        if self.fold is not None and not self.fold.folded[k]:
+            self.fold.folded[k] = True
+            self._fold(b, grad)
+        else:
+            if grad is _UNREACHED:
+                grad = torch.zeros(b.stop - b.start, dtype=self.dtype, device=self.state.device)
+            if self.state.stage == 0:
+                self._all_reduce_add(b, grad)
+            else:
+                self._reduce_pieces(b, grad)
+        while len(self.works) > _IN_FLIGHT:
+            self._wait()
+
+    def _fold(self, b: Bucket, grad: Any) -> None:
+        """The bucket's first reduce at the boundary: local accumulator plus this gradient, reduced
+        in place (at stage 1 the pieces other ranks own are scratch afterwards)."""
+        region = self.out.narrow(0, b.start, b.stop - b.start)
+        if grad is not _UNREACHED:
+            region.add_(grad)
+        if self.state.stage == 0:
+            self.works.append((comm.all_reduce_start(region, "sum", self.group), None, None))
+            return
+        for owner, start, stop in b.pieces:
+            piece = self.out.narrow(0, start, stop - start)
+            self.works.append((comm.reduce_(piece, owner, "sum", self.group, async_op=True), None, None))
+
+    def _reduce_pieces(self, b: Bucket, grad: torch.Tensor) -> None:
+        """One reduce per owner of the bucket; the owner's lands on its accumulated piece."""
         for owner, start, stop in b.pieces:
             piece = grad.narrow(0, start - b.start, stop - start)
-            if owner == self.group.rank:  # reduced straight into its place in this rank's shard
-                mine = self.out.narrow(0, start - owner * unit.shard, stop - start)
+            if owner == self.group.rank:  # reduced straight into its place in this rank's buffer
+                mine = self.out.narrow(0, start - owner * self.shard, stop - start)
                 buf = mine.add_(piece) if self.direct else mine.copy_(piece)
+                self.works.append((comm.reduce_(buf, owner, "sum", self.group, async_op=True), None, None))
             else:  # a copy of our own: the reduce uses it as scratch
                 buf = piece.to(self.dtype, copy=True)
-            self.works.append((comm.reduce_(buf, owner, "sum", self.group, async_op=True), buf))
-        while len(self.works) > _IN_FLIGHT:
-            self.works.popleft()[0].wait()
+                self.works.append((comm.reduce_(buf, owner, "sum", self.group, async_op=True), buf, None))
+
+    def _all_reduce_add(self, b: Bucket, grad: torch.Tensor) -> None:
+        """Stage 0, a bucket reduced already in this micro-batch: all-reduce this gradient alone and
+        add the sum to the reduced accumulator once it is in."""
+        buf = grad.to(self.dtype, copy=True)
+        region = self.out.narrow(0, b.start, b.stop - b.start)
+        self.works.append((comm.all_reduce_start(buf, "sum", self.group), buf, region))
+
+    def _wait(self) -> None:
+        work, buf, add_to = self.works.popleft()  # buf: a copy of ours the collective works on
+        work.wait()
+        if add_to is not None:
+            add_to.add_(buf)
 
     def finish(self) -> list[torch.Tensor]:
         """Start what no gradient reached (with zeros), wait for all, and return the shard (a
         broadcast zero when it was reduced into the accumulator)."""
         for k in range(self.next, len(self.buckets)):
-            b = self.buckets[k]
             if self.ready[k] is None:
-                self.ready[k] = torch.zeros(b.stop - b.start, dtype=self.dtype, device=self.state.device)
+                self.ready[k] = _UNREACHED
             self._start(k)
         while self.works:
-            self.works.popleft()[0].wait()
+            self._wait()
         out, direct = self.out, self.direct
         self._reset()  # a second backward over the same graph (retain_graph) starts afresh
         if direct:  # the sum is in the accumulator already: a zero that holds no memory, so the
@@ -192,10 +275,11 @@ class _BucketParams(torch.autograd.Function):
         return torch.zeros((), dtype=torch.float32, device=grad.device), None, None, None
 
 
-def bucket_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, ...],
-                 pool: ShardPool) -> dict[str, torch.Tensor]:
-    """Parameter views of ``state.compute`` whose gradients reach ``sink`` bucket by bucket."""
-    reducer = _Reducer(state, buckets, pool, sink)
+def bucket_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, ...], pool: ShardPool,
+                 fold: Fold | None = None) -> dict[str, torch.Tensor]:
+    """Parameter views of ``state.compute`` whose gradients reach ``sink`` bucket by bucket
+    (reduced into the full local accumulator with ``fold``, else reduce-scattered)."""
+    reducer = _Reducer(state, buckets, pool, sink, fold)
     hub = Collect.apply(reducer, sink)
     views: dict[str, torch.Tensor] = {}
     for k, b in enumerate(buckets):

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["Group", "world", "all_reduce", "reduce_scatter", "all_gather", "broadcast",
-           "all_gather_object", "unit_params", "reduce_", "reduce_scatter_", "reduce_scatter_start",
-           "all_gather_start"]
+           "all_gather_object", "unit_params", "all_reduce_start", "reduce_", "reduce_scatter_",
+           "reduce_scatter_start", "all_gather_start"]
 
 _OPS = {"sum": "SUM", "avg": "AVG", "max": "MAX", "min": "MIN"}
 
@@ -152,10 +152,24 @@ def all_reduce(x: torch.Tensor, op: str = "sum", group: Group | None = None) -> 
 
 def all_reduce_(x: torch.Tensor, op: str = "sum", group: Group | None = None) -> torch.Tensor:
     """`all_reduce` in place (for donated buffers); returns ``x``."""
-    group = group or world()
-    if group.size > 1:
-        dist.all_reduce(x, op=_op(op), group=group.pg)
+    all_reduce_start(x, op, group).wait()
     return x
+
+
+def all_reduce_start(x: torch.Tensor, op: str = "sum", group: Group | None = None) -> Any:
+    """`all_reduce_` started asynchronously: the sum is in ``x`` after ``handle.wait()`` (the
+    stage 0 gradient buckets reduce this way while backward goes on).
+
+    Examples:
+        >>> import torch, zfunc
+        >>> x = torch.tensor([1.0, 2.0])
+        >>> zfunc.comm.all_reduce_start(x).wait(), x.tolist()
+        (True, [1.0, 2.0])
+    """
+    group = group or world()
+    if group.size == 1:
+        return _Done()
+    return dist.all_reduce(x, op=_op(op), group=group.pg, async_op=True)
 
 
 class _Done:

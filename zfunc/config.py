@@ -61,9 +61,10 @@ class Config:
         offload_optimizer: ``"cpu"``: ZeRO-Offload. The master weights and optimizer state of
             this rank's shard live in host memory and the CPU kernel updates them; the compute
             device keeps only the compute copy and the gradients. ``None``: all on the device.
-        bucket_mb: stage 2: MiB of gradient (in ``reduce_dtype``) per bucket, reduced during
-            backward as soon as it is complete (DDP's ``bucket_cap_mb``): smaller buckets start
-            sooner and overlap more, at the cost of more, smaller collectives. A model that runs
+        bucket_mb: stages 0-2: MiB of gradient (in ``reduce_dtype``) per bucket, reduced during
+            backward (at stages 0-1, the backward of the step's last micro-batch) as soon as it
+            is complete (DDP's ``bucket_cap_mb``): smaller buckets start sooner and overlap
+            more, at the cost of more, smaller collectives. A model that runs
             its own collectives during backward (SyncBatchNorm) on the same process group while
             leaving some parameters unused on some ranks should use one bucket (a large value):
             the buckets' reduces must not interleave with its collectives differently per rank.

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from zfunc import comm
-from zfunc.backward import bind, point_sinks, record_micro, sinks_into
+from zfunc.backward import bind, boundary_fold, point_sinks, record_micro, sinks_into
+from zfunc.buckets import Fold
 from zfunc.checkpoint import load, read_extra, save
 from zfunc.config import Config
 from zfunc.create import full_params, init
@@ -90,6 +91,7 @@ class Engine:
             raise TypeError(f"engine.state: expected a zfunc.TrainState, got {type(state).__name__}")
         self._state = state
         self._sinks = sinks_into(state, state.grads)
+        self._fold: Fold | None = None  # the boundary's reduce in backward (stages 0-1), per step
         for sink in self._sinks:  # notes that a backward reached the state since the last step()
             sink.register_post_accumulate_grad_hook(self._grad_arrived)
         self._backward_seen = False
@@ -124,10 +126,14 @@ class Engine:
         """The module bound to the state (for ``engine(x)`` and ``engine.module(x)``), with a real
         gradient accumulator behind the sinks when autograd is on (none is held between steps)."""
         st = self._state
-        if torch.is_grad_enabled() and is_released(st.grads):
+        if not torch.is_grad_enabled():
+            return bind(st, self._sinks, donate=True)
+        if is_released(st.grads):
             self._state = st = st.replace(grads=accumulator(st.grads, donate=True))
             point_sinks(self._sinks, st, st.grads)
-        return bind(st, self._sinks, donate=True)
+        if self.is_gradient_accumulation_boundary() and self._fold is None:
+            self._fold = boundary_fold(st)  # every call until step() shares it
+        return bind(st, self._sinks, donate=True, fold=self._fold)
 
     __call__ = forward
 
@@ -177,10 +183,15 @@ class Engine:
             raise RuntimeError(
                 "engine.step(): no backward reached the model since the last step(); call engine.backward(loss) "
                 "(or loss.backward()) on a loss computed with engine(...) first. Nothing was changed")
-        self._backward_seen = False
-        st = record_micro(self._state, self._state.grads, loss=self._pending_loss)
-        self._pending_loss = None
         boundary = self.is_gradient_accumulation_boundary()
+        if self._fold is not None and self._fold.started and not boundary:
+            raise RuntimeError(
+                "engine.step(): this micro-step's forward ran at the accumulation boundary, so its backward "
+                "reduced the gradients, but step() is not at the boundary (set_gradient_accumulation_boundary "
+                "changed in between); set the boundary before the forward. Nothing was changed")
+        self._backward_seen = False
+        st = record_micro(self._state, self._state.grads, loss=self._pending_loss, fold=self._fold)
+        self._pending_loss, self._fold = None, None
         if boundary:
             for g, values in self.optimizer.changes():  # live edits of optimizer.param_groups
                 st = set_hyperparams(st, g, **values)

@@ -179,6 +179,10 @@ class TrainState:
         grads: the gradient accumulator: this rank's arena where backward reduce-scatters
             (`Config.shards_grads`: stages 2-3, and stage 1 at ``grad_accum=1``), else full.
             Between optimizer steps it is released (`released_grads`: zeros that hold no memory).
+        reduced: ``grads`` holds the step's reduced gradient already (this rank's shard at stage 1,
+            the all-reduced sum at stage 0): the step's last micro-batch reduced it during its
+            backward (`zfunc.buckets.Fold`), so `zfunc.apply_step` does not reduce again. Host
+            metadata, False except between that micro-batch and the step.
         opt: the optimizer's state record (`AdamState`, `SGDState`, `LionState`,
             `AdagradState`), its slots shaped like ``params``.
         hyper: `GroupHyper`: each parameter group's learning rate, weight decay, betas, eps.
@@ -224,6 +228,7 @@ class TrainState:
     cfg: Config = field(pytree_node=False)
     layout: Layout = field(pytree_node=False)
     mesh: Mesh = field(pytree_node=False)
+    reduced: bool = field(pytree_node=False, default=False)
 
     def replace(self, **changes: Any) -> TrainState:
         """A new state with ``changes``; the tensors not named are shared, not copied."""

@@ -120,7 +120,8 @@ def _reduce(state: TrainState, donate: bool) -> torch.Tensor:
     """This rank's summed gradient over the optimizer's domain, in the accumulation dtype.
 
     Stage 0 all-reduces over the world; stage 1 with ``grad_accum > 1`` reduce-scatters over the
-    shard group; otherwise (`Config.shards_grads`) backward reduce-scattered already. With
+    shard group; unless backward reduced already (`Config.shards_grads`, or ``state.reduced``:
+    the step's last micro-batch folded the reduce into its backward). With
     replicas (``Config.shard_size``) the shard is then all-reduced across them, once per step: the
     only collective that crosses replicas.
     """
@@ -128,7 +129,7 @@ def _reduce(state: TrainState, donate: bool) -> torch.Tensor:
     grads = state.grads
     if is_released(grads):  # a step without a micro-batch: zeros, a buffer of our own
         grads, donate = accumulator(grads, donate), True
-    if not cfg.shards_grads and mesh.world.size > 1:
+    if not (cfg.shards_grads or state.reduced) and mesh.world.size > 1:
         wire = grads.to(cfg.reduce_dtype)
         if state.stage == 0:
             out = comm.all_reduce_(_scratch(wire, grads, donate), "sum", mesh.world)
@@ -248,7 +249,8 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
     if state.stage in (1, 2):
         comm.all_gather_into(compute, master_view(compute, lay, state.stage), state.mesh.shard)  # in place
 
-    grads = released_grads(state.grads.numel(), state.grads.dtype, state.device)  # until the next micro-batch
+    numel = lay.arena_numel if cfg.shards_grads else lay.full_numel  # (a reduced stage-1 gradient is a shard)
+    grads = released_grads(numel, state.grads.dtype, state.device)  # until the next micro-batch
     scaler = scaler_update(state.scaler, found_inf, cfg, state.step)
     metrics = Metrics(loss=agreed[-2] / agreed[-1],  # NaN when no loss is known (or none was run)
                       grad_norm=grad_norm, loss_scale=state.scaler.scale,
@@ -257,7 +259,7 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
                          opt=opt.state_class(**dict(zip(opt.slots, slots)), count=count), scaler=scaler,
                          step=state.step + 1,
                          micro_step=torch.zeros_like(state.micro_step), loss_sum=torch.zeros_like(state.loss_sum),
-                         metrics=metrics)
+                         metrics=metrics, reduced=False)
 
 
 def _clone(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,202 @@
+"""Stages 0-1: the step's last micro-batch reduces the accumulated gradient in its backward.
+
+Tiny ``bucket_mb`` cuts the fixtures into many buckets (`zfunc.buckets.Fold`). Checked: parity
+with single-process torch AdamW at worlds 2 and 3 (the zoo has a tied weight, a frozen and an
+unused parameter, odd sizes), the same bits as the one-piece reduce at the step (world 2), a
+model called twice in the boundary micro-batch (one backward, and one backward per call in the
+engine), a pullback run twice, the engine's plain ``loss.backward()`` and its boundary override.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zfunc
+import zfunc.backward
+from tests.helpers import MODELS, bitwise_equal, max_param_diff, reference_run, run_ranks, split
+from zfunc.backward import record_micro
+from zfunc.buckets import Fold
+
+TOL = 2e-6
+SMALL = 0.0002  # MiB: about 50 fp32 elements per bucket
+_ENDS_STEP = zfunc.backward._ends_step
+
+
+def _cfg(stage: int, grad_accum: int, bucket_mb: float = SMALL) -> zfunc.Config:
+    return zfunc.Config(stage=stage, grad_accum=grad_accum, clip=1.0, bucket_mb=bucket_mb,
+                        optimizer=zfunc.adamw(lr=1e-2, weight_decay=0.01))
+
+
+def _reduce_at(fold: bool) -> None:
+    """Whether this rank's process reduces in the boundary's backward, or at the step as before
+    the boundary reduce (the comparison run; the worlds' processes outlive a test, so both set it)."""
+    zfunc.backward._ends_step = _ENDS_STEP if fold else (lambda state: None)
+
+
+def _train(rank: int, name: str, stage: int, grad_accum: int, fold: bool = True, steps: int = 4
+           ) -> tuple[zfunc.TrainState, list[float], list[list[bool]]]:
+    """``steps`` steps of backward_step + apply_step; each step's grad norm, and ``reduced``
+    after each micro-batch."""
+    _reduce_at(fold)
+    make, loss_fn, batch_fn = MODELS[name]
+    torch.manual_seed(0)
+    state = zfunc.init(make(), _cfg(stage, grad_accum))
+    norms, reduced = [], []
+    for i in range(steps):
+        flags = []
+        for mb in split(batch_fn(i, rank, 2 * grad_accum), grad_accum):
+            state, _ = zfunc.backward_step(state, loss_fn, mb, donate=True)
+            flags.append(state.reduced)
+        state = zfunc.apply_step(state, donate=True)
+        norms.append(state.metrics.grad_norm.item())
+        reduced.append(flags)
+    return state, norms, reduced
+
+
+def _parity(rank: int, name: str, stage: int, grad_accum: int) -> tuple[float, list, list, list, int]:
+    world = zfunc.comm.world().size
+    state, norms, reduced = _train(rank, name, stage, grad_accum)
+    ref, ref_norms = reference_run(name, world, 4, grad_accum=grad_accum, clip=1.0)
+    return max_param_diff(state, ref), norms, ref_norms, reduced, len(state.binding.buckets(state))
+
+
+@pytest.mark.parametrize("stage,grad_accum", [(0, 1), (0, 4), (1, 4)])
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("name", ["zoo", "gpt"])
+def test_boundary_reduce_matches_single_process_adamw(name, world, stage, grad_accum):
+    for diff, norms, ref_norms, reduced, buckets in run_ranks(_parity, world, name, stage, grad_accum):
+        assert buckets >= 5, buckets  # many buckets, so the bucketed path is the one tested
+        # the last micro-batch of every step reduced in its backward, the others did not
+        assert reduced == [[False] * (grad_accum - 1) + [True]] * 4, reduced
+        assert diff <= TOL, diff
+        assert norms == pytest.approx(ref_norms, rel=1e-5)
+
+
+def _bits(rank: int, stage: int, fold: bool) -> list[torch.Tensor]:
+    state, _, reduced = _train(rank, "zoo", stage, 3, fold=fold, steps=3)
+    assert reduced[-1][-1] == fold
+    return [state.params, *zfunc.tree.leaves(state.opt)]
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_boundary_reduce_gives_the_bits_of_the_reduce_at_the_step(stage):
+    # Two ranks: a sum of two is the same in any order, so the bits must agree exactly.
+    folded = run_ranks(_bits, 2, stage, True)
+    at_step = run_ranks(_bits, 2, stage, False)
+    for a, b in zip(folded, at_step):
+        assert bitwise_equal(a, b)
+
+
+def _twice(rank: int, stage: int, fold: bool) -> list[float]:
+    """A boundary micro-batch whose loss calls the model twice (two reducers, one accumulator)."""
+    _reduce_at(fold)
+    make, loss_fn, batch_fn = MODELS["gpt"]
+    torch.manual_seed(0)
+    state = zfunc.init(make(), _cfg(stage, 2))
+    for i in range(3):
+        first, last = split(batch_fn(i, rank, 8), 2)
+        state, _ = zfunc.backward_step(state, loss_fn, first)
+        a, b = split(last, 2)
+        state, _ = zfunc.backward_step(state, lambda m, _: loss_fn(m, a) + loss_fn(m, b), None)
+        assert state.reduced == fold
+        state = zfunc.apply_step(state)
+    return torch.cat([p.flatten() for p in zfunc.full_params(state).values()]).tolist()
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_model_called_twice_in_the_boundary_micro_batch(stage):
+    folded = run_ranks(_twice, 3, stage, True)
+    at_step = run_ranks(_twice, 3, stage, False)
+    for a, b in zip(folded, at_step):
+        assert a == pytest.approx(b, abs=1e-6)
+
+
+def _pullback_twice(rank: int, stage: int) -> tuple[list, torch.Tensor, list[bool]]:
+    _reduce_at(True)
+    make, loss_fn, batch_fn = MODELS["gpt"]
+    torch.manual_seed(0)
+    state = zfunc.init(make(), _cfg(stage, 2))
+    state, _ = zfunc.backward_step(state, loss_fn, batch_fn(0, rank, 2))
+    batch = batch_fn(1, rank, 2)
+    _, pullback = zfunc.vjp(state, lambda m: loss_fn(m, batch))
+    first = pullback(torch.ones(()), retain_graph=True)
+    second = pullback(torch.ones(()))
+    once, _ = zfunc.backward_step(state, loss_fn, batch)
+    return [first.grads, second.grads], once.grads, [first.reduced, second.reduced, once.reduced]
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_pullback_run_twice_at_the_boundary(stage):
+    for (first, second), once, reduced in run_ranks(_pullback_twice, 2, stage):
+        assert reduced == [True, True, True]
+        assert torch.equal(first, once) and torch.equal(second, once)
+
+
+def _engine(rank: int, stage: int, per_call: bool, fold: bool) -> list[float]:
+    """The engine at grad_accum 2, plain ``loss.backward()``; with ``per_call`` the boundary
+    micro-step runs the model twice, one backward each (the accumulator folds in the first)."""
+    _reduce_at(fold)
+    make, loss_fn, batch_fn = MODELS["gpt"]
+    torch.manual_seed(0)
+    engine, *_ = zfunc.initialize(model=make(), config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage}})
+    engine.state = zfunc.init(make(), engine.state.cfg.replace(bucket_mb=SMALL))
+    for i in range(6):
+        batch = batch_fn(i, rank, 2)
+        if per_call and engine.is_gradient_accumulation_boundary():
+            for half in split(batch, 2):
+                (loss_fn(engine.module, half) / 2).backward()
+        else:
+            loss_fn(engine, batch).backward()
+        engine.step()
+    return torch.cat([p.flatten() for p in zfunc.full_params(engine.state).values()]).tolist()
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_engine_plain_backward_reduces_at_the_boundary(stage):
+    for per_call in (False, True):
+        folded = run_ranks(_engine, 2, stage, per_call, True)
+        at_step = run_ranks(_engine, 2, stage, per_call, False)
+        for a, b in zip(folded, at_step):
+            assert a == pytest.approx(b, abs=1e-6)
+
+
+def _override(rank: int) -> str:
+    _reduce_at(True)
+    make, loss_fn, batch_fn = MODELS["gpt"]
+    torch.manual_seed(0)
+    engine, *_ = zfunc.initialize(model=make(), config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 1}})
+    engine.set_gradient_accumulation_boundary(True)
+    loss_fn(engine, batch_fn(0, rank, 2)).backward()  # reduced in backward: this is the boundary
+    engine.set_gradient_accumulation_boundary(False)
+    before = engine.state.params.clone()
+    try:
+        engine.step()
+    except RuntimeError as e:
+        assert torch.equal(engine.state.params, before) and engine.micro_steps == 0
+        engine.set_gradient_accumulation_boundary(True)
+        engine.step()  # the reduced gradient is still there for the step
+        assert engine.global_steps == 1 and not torch.equal(engine.state.params, before)
+        return str(e)
+    return "no error"
+
+
+def test_engine_refuses_a_boundary_changed_after_the_forward():
+    for message in run_ranks(_override, 2):
+        assert message.startswith("engine.step(): this micro-step's forward ran at the accumulation boundary"), \
+            message
+
+
+def test_a_backward_that_stopped_part_way_through_the_reduce_is_refused():
+    state = zfunc.init(torch.nn.Linear(3, 2), zfunc.Config(stage=1, grad_accum=2))
+    fold = Fold(3)
+    fold.folded[2] = True  # the last bucket's reduce ran, the first two never started
+    with pytest.raises(RuntimeError, match="stopped part way through reducing the gradient"):
+        record_micro(state, state.grads, fold=fold)
+    done = Fold(1)
+    done.folded[0] = True
+    assert record_micro(state, torch.zeros(state.grads.numel()), fold=done).reduced
