@@ -13,6 +13,8 @@ Contenders (``--only`` picks a comma-separated subset):
 * ``zero0`` .. ``zero3``  zfunc ZeRO stage 0..3 (stage 3 gathers one unit per transformer block)
 * ``noprefetch3``  zfunc ZeRO-3 with ``prefetch=0`` (each unit gathered when its module starts), to
   measure what the prefetch buys
+* ``atstep0``, ``atstep1``  zfunc ZeRO-0/1 reducing the accumulated gradient at the step, in one
+  piece, instead of in the last micro-batch's backward: what the boundary reduce buys
 * ``offload1`` .. ``offload3``  the same with ``offload_optimizer="cpu"`` (on this CPU machine the
   host arena is a second copy in the same memory: the cost of the copies, not of a PCIe link)
 * ``ds1`` .. ``ds3``  DeepSpeed's engine, ZeRO stage 1..3 (torch AdamW inside, ``torch_adam``), when
@@ -81,8 +83,8 @@ SEQ = 128
 MICRO_BATCH = 8
 WORLD = 2
 LR, WD, CLIP = 1e-3, 0.01, 1.0
-CONTENDERS = ["ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3", "noprefetch3", "engine2", "offload1", "offload2",
-              "offload3", "ds1", "ds2", "ds3"]
+CONTENDERS = ["ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3", "noprefetch3", "atstep0", "atstep1", "engine2",
+              "offload1", "offload2", "offload3", "ds1", "ds2", "ds3"]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -219,7 +221,9 @@ def _setup_fsdp2(precision: str, accum: int):
     return step, info
 
 
-def _setup_zfunc(stage: int, precision: str, accum: int, offload: str | None = None, prefetch: int = 1):
+def _setup_zfunc(stage: int, precision: str, accum: int, offload: str | None = None, prefetch: int = 1,
+                 fold: bool = True):
+    import zfunc.backward
     from zfunc.models.gpt import Block
     model = _build_model()
     cfg = zfunc.Config(stage=stage, precision=precision, clip=CLIP, grad_accum=accum, offload_optimizer=offload,
@@ -231,8 +235,14 @@ def _setup_zfunc(stage: int, precision: str, accum: int, offload: str | None = N
     # directly lets the benchmark time them separately.
     def step(mbs):
         state = box["state"]
-        for mb in mbs:
-            state, _ = zfunc.backward_step(state, lm_loss, mb, donate=True)
+        ends_step = zfunc.backward._ends_step
+        if not fold:  # this contender's steps only: the last micro-batch reduces nothing
+            zfunc.backward._ends_step = lambda state: None
+        try:
+            for mb in mbs:
+                state, _ = zfunc.backward_step(state, lm_loss, mb, donate=True)
+        finally:
+            zfunc.backward._ends_step = ends_step
         t_mid = time.perf_counter()
         box["state"] = zfunc.apply_step(state, donate=True)
         return t_mid
@@ -349,6 +359,8 @@ def _setup(name: str, precision: str, accum: int):
         return _setup_zfunc(int(name[7:]), precision, accum, offload="cpu")
     if name == "noprefetch3":
         return _setup_zfunc(3, precision, accum, prefetch=0)
+    if name.startswith("atstep"):
+        return _setup_zfunc(int(name[6:]), precision, accum, fold=False)
     raise ValueError(f"unknown contender {name!r}; expected one of {CONTENDERS}")
 
 

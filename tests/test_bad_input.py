@@ -18,6 +18,9 @@ from tests.helpers import run_ranks
     (dict(precision="fp8"), r'precision: expected "fp32", "fp16" or "bf16"'),
     (dict(optimizer="adam"), r"optimizer: expected zfunc.adam, adamw, sgd, lion or adagrad"),
     (dict(moment_dtype=torch.float16), r"moment_dtype: expected torch.float32 or torch.bfloat16"),
+    (dict(persist_threshold=True), r"persist_threshold: expected an integer >= 0, got True"),
+    (dict(prefetch=-1), r"prefetch: expected an integer >= 0 \(units gathered ahead\), got -1"),
+    (dict(bucket_mb=0), r"bucket_mb: expected a number > 0 \(MiB\), got 0"),
 ])
 def test_config_errors_name_the_field(kwargs, match):
     with pytest.raises(zfunc.ConfigError, match=match):

@@ -140,8 +140,8 @@ class Config:
         check(isinstance(self.offload_pin_memory, bool), "offload_pin_memory", "True or False", self.offload_pin_memory)
         check(self.shard_size is None or is_positive_int(self.shard_size), "shard_size",
               "None or a positive integer (a divisor of the world size)", self.shard_size)
-        check(isinstance(self.persist_threshold, int) and self.persist_threshold >= 0, "persist_threshold",
-               "an integer >= 0", self.persist_threshold)
+        check(isinstance(self.persist_threshold, int) and not isinstance(self.persist_threshold, bool)
+              and self.persist_threshold >= 0, "persist_threshold", "an integer >= 0", self.persist_threshold)
         check(self.units is None or (isinstance(self.units, (list, tuple))
                                       and all(isinstance(u, (str, type)) for u in self.units)),
                "units", "None or a list of module names or module classes", self.units)
