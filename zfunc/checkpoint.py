@@ -31,7 +31,7 @@ from zfunc._tree import tree
 from zfunc.create import full_params, place_master
 from zfunc.errors import CheckpointError
 from zfunc.layout import Layout, Unit
-from zfunc.state import TrainState, released_grads
+from zfunc.state import TrainState, accumulator_numel, released_grads
 
 __all__ = ["save", "load", "export", "exists", "CheckpointError", "read_meta", "read_extra"]
 
@@ -367,8 +367,8 @@ def _assemble(like: TrainState, roles: dict[str, torch.Tensor], s: dict[str, tor
                                  [s[_key(r, p)] for p in tree.paths(getattr(like, r))]) for r in _RECORDS}
     if rng is not None:
         torch.set_rng_state(rng)
-    grads = released_grads(like.grads.numel(), like.grads.dtype, like.device)
-    return like.replace(params=master, compute=compute, grads=grads,
+    grads = released_grads(accumulator_numel(cfg, like.layout), cfg.grad_accum_dtype, like.device)
+    return like.replace(params=master, compute=compute, grads=grads, reduced=False,
                         opt=cfg.optimizer.state_class(**{n: roles[n] for n in cfg.optimizer.slots}, count=s["count"]),
                         **records, step=s["step"], micro_step=s["micro_step"],
                         loss_sum=s["loss_sum"], frozen={n: frozen[n] for n in like.frozen},

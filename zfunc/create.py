@@ -19,7 +19,7 @@ from zfunc.layout import Layout, make_layout, master_view
 from zfunc.mesh import Mesh, make_mesh
 from zfunc.optim import assign_groups
 from zfunc.scaler import scaler_init
-from zfunc.state import GroupHyper, Metrics, TrainState, released_grads
+from zfunc.state import GroupHyper, Metrics, TrainState, accumulator_numel, released_grads
 from zfunc.update import learning_rate
 
 __all__ = ["init", "full_params", "gather_by_name", "units_of", "group_hyper", "trainable_params", "place_master"]
@@ -239,7 +239,6 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
                             zip(layout.units, full_master)])
     del full_master
     params, compute = place_master(master, cfg, layout, mesh)
-    grads_numel = layout.arena_numel if cfg.shards_grads else layout.full_numel
     opt = cfg.optimizer
     slots = {name: torch.full((params.numel(),), opt.slot_init, dtype=cfg.moment_dtype, device=params.device,
                               pin_memory=params.is_pinned())
@@ -254,7 +253,7 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
         binding.donate()
     state = TrainState(
         params=params, compute=compute,
-        grads=released_grads(grads_numel, cfg.grad_accum_dtype, device),
+        grads=released_grads(accumulator_numel(cfg, layout), cfg.grad_accum_dtype, device),
         opt=opt.state_class(**slots, count=torch.zeros((), dtype=torch.int64, device=params.device)),
         hyper=group_hyper(cfg),
         scaler=scaler, step=scalar(0, torch.int64), micro_step=torch.zeros((), dtype=torch.int64),

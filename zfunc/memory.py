@@ -8,7 +8,7 @@ from zfunc.config import Config
 from zfunc.create import trainable_params, units_of
 from zfunc.layout import make_layout
 from zfunc.mesh import shard_ranks
-from zfunc.state import TrainState, is_released
+from zfunc.state import TrainState, accumulator_numel, is_released
 
 __all__ = ["memory_report", "memory_plan"]
 
@@ -87,7 +87,7 @@ def memory_plan(model: torch.nn.Module, cfg: Config, world_size: int) -> dict[st
     offload = cfg.offload_optimizer is not None
     shared = cfg.compute_dtype == cfg.master_dtype and not offload  # the master is a view of the compute copy
     master = 0 if shared else opt_numel * size(cfg.master_dtype)
-    grads = (lay.arena_numel if cfg.shards_grads else lay.full_numel) * size(cfg.grad_accum_dtype)
+    grads = accumulator_numel(cfg, lay) * size(cfg.grad_accum_dtype)
     optimizer = len(cfg.optimizer.slots) * opt_numel * size(cfg.moment_dtype)
     plan = {"params": compute + master, "grads": grads, "optimizer": optimizer}
     return _totals(plan, master + optimizer if offload else 0)

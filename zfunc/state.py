@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from zfunc.scaler import ScalerState
 
 __all__ = ["TrainState", "AdamState", "SGDState", "LionState", "AdagradState", "GroupHyper", "Metrics",
-           "released_grads", "is_released", "accumulator"]
+           "released_grads", "is_released", "accumulator", "accumulator_numel"]
 
 
 def released_grads(numel: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -39,6 +39,19 @@ def released_grads(numel: int, dtype: torch.dtype, device: torch.device | str) -
         ([0.0, 0.0, 0.0, 0.0], 4, True)
     """
     return torch.zeros((), dtype=dtype, device=device).expand(numel)
+
+
+def accumulator_numel(cfg: Config, layout: Layout) -> int:
+    """Elements of the gradient accumulator: this rank's arena where backward reduces to the
+    owners (`Config.shards_grads`), else every unit's full flat buffer.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> state = zfunc.init(torch.nn.Linear(3, 1), zfunc.Config(stage=1, grad_accum=2))
+        >>> accumulator_numel(state.cfg, state.layout) == state.grads.numel()
+        True
+    """
+    return layout.arena_numel if cfg.shards_grads else layout.full_numel
 
 
 def is_released(grads: torch.Tensor) -> bool:

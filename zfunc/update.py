@@ -27,7 +27,8 @@ import zfunc_kernels
 from zfunc import comm
 from zfunc.layout import master_view
 from zfunc.scaler import scaler_update
-from zfunc.state import GroupHyper, Metrics, TrainState, accumulator, is_released, released_grads
+from zfunc.state import (GroupHyper, Metrics, TrainState, accumulator, accumulator_numel, is_released,
+                         released_grads)
 
 __all__ = ["apply_step", "learning_rate", "learning_rates", "set_hyperparams"]
 
@@ -249,8 +250,8 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
     if state.stage in (1, 2):
         comm.all_gather_into(compute, master_view(compute, lay, state.stage), state.mesh.shard)  # in place
 
-    numel = lay.arena_numel if cfg.shards_grads else lay.full_numel  # (a reduced stage-1 gradient is a shard)
-    grads = released_grads(numel, state.grads.dtype, state.device)  # until the next micro-batch
+    # Until the next micro-batch (sized by the config: a reduced stage-1 gradient is a shard).
+    grads = released_grads(accumulator_numel(cfg, lay), state.grads.dtype, state.device)
     scaler = scaler_update(state.scaler, found_inf, cfg, state.step)
     metrics = Metrics(loss=agreed[-2] / agreed[-1],  # NaN when no loss is known (or none was run)
                       grad_norm=grad_norm, loss_scale=state.scaler.scale,
