@@ -3,6 +3,8 @@ masters and moments, and an fp32 accumulator that keeps tiny gradients."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -131,3 +133,29 @@ def test_precision_errors():
     for bad in (0, -1.0, float("inf"), True):
         with pytest.raises(zfunc.ConfigError, match="loss_scale.min_scale"):
             zfunc.DynamicLossScale(min_scale=bad)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_bf16_gradients_accumulate_into_the_fp32_accumulator(stage):
+    # Stages 0-1 add each micro-batch's bf16 gradient to the fp32 accumulator in place (no fp32
+    # copy of the whole gradient first): the same numbers as torch's bf16 gradients summed in fp32.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    ref = copy.deepcopy(model).bfloat16()
+    state = zfunc.init(model, zfunc.Config(stage=stage, precision="bf16", grad_accum=4))
+
+    def loss_fn(m, x):
+        return m(x).float().pow(2).mean()
+
+    xs = [torch.randn(5, 8) for _ in range(3)]
+    expected = {n: torch.zeros(p.shape) for n, p in ref.named_parameters()}
+    for x in xs:
+        state, _ = zfunc.backward_step(state, loss_fn, x)
+        ref.zero_grad()
+        (loss_fn(ref, x.bfloat16()) / 4).backward()
+        for n, p in ref.named_parameters():
+            expected[n] += p.grad.float()
+    assert state.grads.dtype == torch.float32 and not state.reduced
+    got = state.layout.views(state.layout.units[0], state.grads)
+    for n in expected:
+        assert torch.equal(got[n], expected[n]), n
