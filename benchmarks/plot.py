@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     for ax, run in zip(axes.flat, runs):
         names = list(run["results"])
         med = [run["results"][n]["median"] for n in names]
-        colors = ["#4c72b0" if n.startswith(("zero", "offload", "engine", "noprefetch")) else
+        colors = ["#4c72b0" if n.startswith(("zero", "offload", "engine", "noprefetch", "atstep")) else
                   "#dd8452" if n.startswith("ds") else "#8c8c8c" for n in names]
         ax.bar(names, med, color=colors)
         ax.set_title(f"{run['precision']}, grad_accum {run['grad_accum']} (median of {run['steps']} steps)")

@@ -14,6 +14,7 @@ import torch
 
 import zfunc
 import zfunc.backward
+import zfunc.widen
 from tests.helpers import MODELS, bitwise_equal, max_param_diff, reference_run, run_ranks, split
 from zfunc.backward import record_micro
 from zfunc.buckets import Fold
@@ -21,6 +22,7 @@ from zfunc.buckets import Fold
 TOL = 2e-6
 SMALL = 0.0002  # MiB: about 50 fp32 elements per bucket
 _ENDS_STEP = zfunc.backward._ends_step
+_WIDEN_MIN = zfunc.widen._MIN
 
 
 def _cfg(stage: int, grad_accum: int, bucket_mb: float = SMALL) -> zfunc.Config:
@@ -34,14 +36,14 @@ def _reduce_at(fold: bool) -> None:
     zfunc.backward._ends_step = _ENDS_STEP if fold else (lambda state: None)
 
 
-def _train(rank: int, name: str, stage: int, grad_accum: int, fold: bool = True, steps: int = 4
-           ) -> tuple[zfunc.TrainState, list[float], list[list[bool]]]:
+def _train(rank: int, name: str, stage: int, grad_accum: int, fold: bool = True, steps: int = 4,
+           precision: str = "fp32") -> tuple[zfunc.TrainState, list[float], list[list[bool]]]:
     """``steps`` steps of backward_step + apply_step; each step's grad norm, and ``reduced``
     after each micro-batch."""
     _reduce_at(fold)
     make, loss_fn, batch_fn = MODELS[name]
     torch.manual_seed(0)
-    state = zfunc.init(make(), _cfg(stage, grad_accum))
+    state = zfunc.init(make(), _cfg(stage, grad_accum).replace(precision=precision))
     norms, reduced = [], []
     for i in range(steps):
         flags = []
@@ -73,17 +75,24 @@ def test_boundary_reduce_matches_single_process_adamw(name, world, stage, grad_a
         assert norms == pytest.approx(ref_norms, rel=1e-5)
 
 
-def _bits(rank: int, stage: int, fold: bool) -> list[torch.Tensor]:
-    state, _, reduced = _train(rank, "zoo", stage, 3, fold=fold, steps=3)
+def _bits(rank: int, stage: int, fold: bool, precision: str) -> list[torch.Tensor]:
+    import zfunc.widen
+
+    zfunc.widen._MIN = 1  # bf16 gradients reach the accumulator through zfunc_kernels.accumulate
+    try:
+        state, _, reduced = _train(rank, "zoo", stage, 3, fold=fold, steps=3, precision=precision)
+    finally:
+        zfunc.widen._MIN = _WIDEN_MIN
     assert reduced[-1][-1] == fold
     return [state.params, *zfunc.tree.leaves(state.opt)]
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [0, 1])
-def test_boundary_reduce_gives_the_bits_of_the_reduce_at_the_step(stage):
+def test_boundary_reduce_gives_the_bits_of_the_reduce_at_the_step(stage, precision):
     # Two ranks: a sum of two is the same in any order, so the bits must agree exactly.
-    folded = run_ranks(_bits, 2, stage, True)
-    at_step = run_ranks(_bits, 2, stage, False)
+    folded = run_ranks(_bits, 2, stage, True, precision)
+    at_step = run_ranks(_bits, 2, stage, False, precision)
     for a, b in zip(folded, at_step):
         assert bitwise_equal(a, b)
 

@@ -499,3 +499,24 @@ def test_the_kernel_cache_tracks_the_shared_math(monkeypatch) -> None:
     monkeypatch.setattr(_cache, "_digest", lambda: "edited")
     assert locator.get_source_stamp() != stamp  # a changed _math.py changes the cache key
     assert ours[0].from_function(torch.add, torch.__file__) is None  # other packages' caches untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_accumulate_widens_exactly(dtype: torch.dtype, overwrite: bool) -> None:
+    # Every finite value of x, specials included, widened exactly and added once: the bytes of
+    # torch's own add_/copy_ (float32 sums of the same two operands round the same way).
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(70_001, generator=g) * 10.0 ** torch.randint(-30, 30, (70_001,), generator=g)).to(dtype)
+    x[:4] = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0])
+    start = torch.randn(70_001, generator=g)
+    for backend in ("cpu", "torch"):
+        out = start.clone()
+        zfunc_kernels.accumulate(out, x, overwrite=overwrite, backend=backend)
+        expected = x.float().clone() if overwrite else start + x.float()
+        assert torch.equal(out.view(torch.int32)[3:], expected.view(torch.int32)[3:]), backend
+        assert out[:3].isinf().tolist()[:2] == [True, True] and out[2].isnan()
+    with pytest.raises(TypeError, match="out has dtype"):
+        zfunc_kernels.accumulate(torch.zeros(3, dtype=torch.bfloat16), torch.zeros(3))
+    with pytest.raises(ValueError, match="x must have 3 elements"):
+        zfunc_kernels.accumulate(torch.zeros(3), torch.zeros(4))

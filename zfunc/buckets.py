@@ -38,6 +38,7 @@ import torch
 
 from zfunc import comm
 from zfunc.layout import Layout, Slot
+from zfunc.widen import add_into, widened
 
 if TYPE_CHECKING:
     from zfunc.state import TrainState
@@ -187,7 +188,7 @@ class _Reducer:
         in place (at stage 1 the pieces other ranks own are scratch afterwards)."""
         region = self.out.narrow(0, b.start, b.stop - b.start)
         if grad is not _UNREACHED:
-            region.add_(grad)
+            add_into(region, grad)
         if self.state.stage == 0:
             self.works.append((comm.all_reduce_start(region, "sum", self.group), None, None))
             return
@@ -201,16 +202,16 @@ class _Reducer:
             piece = grad.narrow(0, start - b.start, stop - start)
             if owner == self.group.rank:  # reduced straight into its place in this rank's buffer
                 mine = self.out.narrow(0, start - owner * self.shard, stop - start)
-                buf = mine.add_(piece) if self.direct else mine.copy_(piece)
+                buf = add_into(mine, piece) if self.direct else mine.copy_(piece)
                 self.works.append((comm.reduce_(buf, owner, "sum", self.group, async_op=True), None, None))
             else:  # a copy of our own: the reduce uses it as scratch
-                buf = piece.to(self.dtype, copy=True)
+                buf = widened(piece, self.dtype)
                 self.works.append((comm.reduce_(buf, owner, "sum", self.group, async_op=True), buf, None))
 
     def _all_reduce_add(self, b: Bucket, grad: torch.Tensor) -> None:
         """Stage 0, a bucket reduced already in this micro-batch: all-reduce this gradient alone and
         add the sum to the reduced accumulator once it is in."""
-        buf = grad.to(self.dtype, copy=True)
+        buf = widened(grad, self.dtype)
         region = self.out.narrow(0, b.start, b.stop - b.start)
         self.works.append((comm.all_reduce_start(buf, "sum", self.group), buf, region))
 

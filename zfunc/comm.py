@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zfunc.widen import add_into, widened
+
 __all__ = ["Group", "world", "all_reduce", "reduce_scatter", "all_gather", "broadcast",
            "all_gather_object", "unit_params", "all_reduce_start", "reduce_", "reduce_scatter_",
            "reduce_scatter_start", "all_gather_start"]
@@ -381,13 +383,14 @@ class _UnitParams(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        if ctx.scatter:
-            wire = grad.to(ctx.reduce_dtype)  # a new tensor of ours when cast: usable as scratch
+        if ctx.scatter:  # a new tensor of ours when cast: usable as scratch
+            wire = grad if grad.dtype == ctx.reduce_dtype else widened(grad.reshape(-1), ctx.reduce_dtype)
             scratch = ctx.fresh or wire is not grad
             grad = (reduce_scatter_ if scratch else reduce_scatter)(wire, "sum", ctx.group)
         elif grad.dtype != ctx.sink_dtype and ctx.sink.grad is not None:
             acc = ctx.sink.grad
-            acc.add_(grad)  # a zero that holds no memory goes on, so the sink's hooks still run
+            add_into(acc, grad.reshape(-1))
+            # A zero that holds no memory goes on, so the sink's accumulation and hooks still run.
             grad = torch.zeros((), dtype=acc.dtype, device=acc.device).expand(acc.shape)
         return grad.to(ctx.sink_dtype), None, None, None, None, None, None
 

@@ -30,6 +30,7 @@ __all__ = [
     "LionHyper",
     "SGDHyper",
     "StepScalars",
+    "accumulate",
     "backend",
     "fused_adagrad",
     "fused_adam",
@@ -291,6 +292,39 @@ def fused_adagrad(master: torch.Tensor, grad: torch.Tensor, state_sum: torch.Ten
         ([0.9, 1.1], [4.0, 4.0])
     """
     _fused_slot("adagrad", master, grad, state_sum, scalars, AdagradHyper(*hyper), compute, backend)
+
+
+def accumulate(out: torch.Tensor, x: torch.Tensor, *, overwrite: bool = False,
+               backend: str | None = None) -> torch.Tensor:
+    """Adds ``x`` to the float32 ``out`` in place (writes it there with ``overwrite``), reading
+    ``x`` in its own format: a 16-bit gradient widened while it is added, with no float32
+    copy of it. Exact: each element is widened without rounding and added once.
+
+    On the CPU this is one numba pass (torch widens bfloat16 several times slower than it
+    adds); elsewhere torch's ``add_``/``copy_``, which are bandwidth-bound on a GPU already.
+
+    Args:
+        out: 1-D contiguous float32 tensor.
+        x: 1-D contiguous float32, bfloat16 or float16 tensor with as many elements, on
+            ``out``'s device.
+        overwrite: ``out = x`` instead of ``out += x``.
+        backend: ``None`` (by device: ``"cpu"`` for CPU tensors, else torch), ``"cpu"`` or
+            ``"torch"``.
+
+    Returns:
+        ``out``.
+
+    Examples:
+        >>> import torch, zfunc_kernels
+        >>> out = torch.ones(3)
+        >>> zfunc_kernels.accumulate(out, torch.tensor([0.5, -1.0, 2.0], dtype=torch.bfloat16)).tolist()
+        [1.5, 0.0, 3.0]
+    """
+    _check_vector("out", out, (torch.float32,), out.numel(), out.device)
+    _check_vector("x", x, _MASTER, out.numel(), out.device)
+    name = _resolve(backend, x)
+    (_impl("cpu") if name == "cpu" else _reference).accumulate(out, x, overwrite)
+    return out
 
 
 def overflow_sumsq(

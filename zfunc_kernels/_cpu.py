@@ -296,6 +296,25 @@ def convert_kernel(src: Any, dst: Any) -> None:  # pragma: no cover - compiled
     _convert_block(src, dst)
 
 
+@numba.njit(inline="never", **_BLOCK_OPTS)
+def _accumulate_block(out: Any, x: Any, lo: int, hi: int, overwrite: bool) -> None:  # pragma: no cover
+    if overwrite:
+        for i in range(lo, hi):
+            out[i] = load(x, i)
+    else:
+        for i in range(lo, hi):
+            out[i] += load(x, i)
+
+
+@numba.njit(**_NJIT)
+def accumulate_kernel(out: Any, x: Any, overwrite: bool) -> None:  # pragma: no cover - compiled
+    """``out[i] += x[i]`` (``=`` with ``overwrite``) into float32 ``out``, ``x`` in any storage format."""
+    n = out.size
+    for b in prange((n + BLOCK - 1) // BLOCK):
+        lo = b * BLOCK
+        _accumulate_block(out, x, lo, min(n, lo + BLOCK), overwrite)
+
+
 # --------------------------------------------------------------------------- torch entry points
 
 
@@ -358,6 +377,18 @@ def fused_slot_update(kind: str, vectors: SlotVectors, scalars: StepScalars, hyp
     master, grad, slot, compute, *rest = arrays
     with torch_threads():
         kernel(master, grad, slot, compute, *rest, tuple(float(h) for h in hyper))
+
+
+def accumulate(out: torch.Tensor, x: torch.Tensor, overwrite: bool) -> None:
+    """Runs :func:`accumulate_kernel` on CPU tensors (see ``zfunc_kernels.accumulate``).
+
+    Examples:
+        >>> out = torch.ones(2)
+        >>> accumulate(out, torch.tensor([0.5, 2.0], dtype=torch.bfloat16), False); out.tolist()
+        [1.5, 3.0]
+    """
+    with torch_threads():
+        accumulate_kernel(as_numpy(out), as_numpy(x), overwrite)
 
 
 def overflow_sumsq(x: torch.Tensor, out: torch.Tensor) -> None:

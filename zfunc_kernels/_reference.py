@@ -77,6 +77,20 @@ def fused_adam(vectors: AdamVectors, scalars: StepScalars, hyper: AdamHyper) -> 
     step.add_((~skip).to(step.dtype))
 
 
+def accumulate(out: torch.Tensor, x: torch.Tensor, overwrite: bool) -> None:
+    """Reference ``out += x`` (``out.copy_(x)`` with ``overwrite``), widening ``x`` to float32.
+
+    Examples:
+        >>> out = torch.ones(2)
+        >>> accumulate(out, torch.tensor([0.5, 2.0], dtype=torch.bfloat16), True); out.tolist()
+        [0.5, 2.0]
+    """
+    if overwrite:
+        out.copy_(x)
+    else:
+        out.add_(x)
+
+
 def overflow_sumsq(x: torch.Tensor, out: torch.Tensor) -> None:
     """Reference ``[found_inf, sum(x**2)]`` written into ``out`` (float64 sum).
 
