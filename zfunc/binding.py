@@ -26,7 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 from zfunc import comm
 from zfunc._tree import tree
-from zfunc.buckets import Bucket, Fold, ShardPool, bucket_views, plan_buckets
+from zfunc.buckets import Bucket, Fold, ShardPool, bucket_views, local_views, plan_buckets
 from zfunc.cotangent import scale_tree
 from zfunc.gather import UnitGatherer, check_same_units
 from zfunc.gather import in_backward as _in_backward
@@ -283,6 +283,8 @@ class BoundModel:
             elif self.fold is not None:  # the step's last micro-batch: the accumulator reduced in backward
                 tensors.update(bucket_views(state, self.sinks[0], binding.buckets(state), binding._pool,
                                             self.fold))
+            elif not cfg.shards_grads:  # stages 0-1: each gradient added into the local accumulator
+                tensors.update(local_views(state, self.sinks[0]))
             else:
                 full = comm.unit_params(self.sinks[0], None, state.compute, state.mesh.shard, cfg.reduce_dtype,
                                         cfg.shards_grads, fresh_grad=lay.splits(unit) > 1)

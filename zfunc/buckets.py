@@ -43,7 +43,7 @@ from zfunc.widen import add_into, widened
 if TYPE_CHECKING:
     from zfunc.state import TrainState
 
-__all__ = ["Bucket", "Fold", "ShardPool", "plan_buckets", "bucket_views"]
+__all__ = ["Bucket", "Fold", "ShardPool", "plan_buckets", "bucket_views", "local_views"]
 
 _IN_FLIGHT = 4  # reductions running at once (bounds the memory of non-owned bucket copies)
 
@@ -290,3 +290,48 @@ def bucket_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, .
         parts = torch.split(full, sizes + [pad] if pad else sizes)
         views.update({s.name: p.view(s.shape) for s, p in zip(b.slots, parts)})
     return views
+
+
+class _Sink(torch.autograd.Function):
+    """The node every `_AddInto` feeds (``hub = _Sink.apply(sink)``): the gradients are in the
+    accumulator already, so it hands the sink a zero that holds no memory (its hooks still run)."""
+
+    @staticmethod
+    def forward(sink: torch.Tensor) -> torch.Tensor:
+        return torch.zeros((), dtype=torch.float32, device=sink.device)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.shape, ctx.dtype = inputs[0].shape, inputs[0].dtype
+
+    @staticmethod
+    def backward(ctx: Any, _: torch.Tensor) -> torch.Tensor:
+        return torch.zeros((), dtype=ctx.dtype, device=_.device).expand(ctx.shape)
+
+
+class _AddInto(torch.autograd.Function):
+    """One parameter (a view of the compute buffer) whose gradient backward adds straight into
+    its place in the local accumulator (``sink.grad``)."""
+
+    @staticmethod
+    def forward(hub: torch.Tensor, param: torch.Tensor, sink: torch.Tensor, start: int) -> torch.Tensor:
+        return param.view_as(param)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.sink, ctx.start = inputs[2], inputs[3]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        add_into(ctx.sink.grad.narrow(0, ctx.start, grad.numel()), grad.reshape(-1))
+        return torch.zeros((), dtype=torch.float32, device=grad.device), None, None, None
+
+
+def local_views(state: TrainState, sink: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Parameter views of ``state.compute`` (stages 0-1, one unit) whose gradients backward adds
+    one by one into the full local accumulator ``sink.grad``: no flat gradient of the whole unit
+    is assembled first (a concatenation and a fresh unit-sized buffer per micro-batch)."""
+    (unit,) = state.layout.units
+    hub = _Sink.apply(sink)
+    return {s.name: _AddInto.apply(hub, state.compute.narrow(0, s.offset, s.numel), sink, s.offset).view(s.shape)
+            for s in unit.slots}
