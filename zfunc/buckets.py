@@ -5,7 +5,7 @@ the contiguous slice ``r``. A *bucket* is a run of whole parameters of that buff
 ``Config.bucket_mb`` of gradient. Buckets are cut from the end of the buffer, so backward
 completes them roughly in order, last layers first (DDP's buckets, DeepSpeed's ``overlap_comm``).
 
-In forward each bucket is its own autograd node (`_BucketParams`), so its backward runs as soon
+In forward each bucket is its own autograd node (`_Tap`), so its backward runs as soon
 as its parameters' gradients are complete. It starts, asynchronously, the bucket's collectives
 and backward goes on computing. Every bucket feeds one collector node (`Collect`), which
 autograd runs after the last bucket: it waits for the reductions and hands the result to the sink.
@@ -259,20 +259,22 @@ class Collect(torch.autograd.Function):
         return (None, *(None if r is None else r.to(dt) for r, dt in zip(results, ctx.dtypes)))
 
 
-class _BucketParams(torch.autograd.Function):
-    """A bucket's parameters (a view of the compute buffer); its backward starts the reduce."""
+class _Tap(torch.autograd.Function):
+    """Parameters (a view of the compute buffer) whose backward hands their gradient to
+    ``take(key, grad)`` (a bucket's: start its reduce; a parameter's: add it to the accumulator)
+    and feeds ``hub`` a zero, so the hub's node runs after every tap."""
 
     @staticmethod
-    def forward(hub: torch.Tensor, flat: torch.Tensor, reducer: _Reducer, k: int) -> torch.Tensor:
-        return flat.view_as(flat)
+    def forward(hub: torch.Tensor, params: torch.Tensor, take: Any, key: int) -> torch.Tensor:
+        return params.view_as(params)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        ctx.reducer, ctx.k = inputs[2], inputs[3]
+        ctx.take, ctx.key = inputs[2], inputs[3]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        ctx.reducer.arrived(ctx.k, grad)
+        ctx.take(ctx.key, grad)
         return torch.zeros((), dtype=torch.float32, device=grad.device), None, None, None
 
 
@@ -284,7 +286,7 @@ def bucket_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, .
     hub = Collect.apply(reducer, sink)
     views: dict[str, torch.Tensor] = {}
     for k, b in enumerate(buckets):
-        full = _BucketParams.apply(hub, state.compute.narrow(0, b.start, b.stop - b.start), reducer, k)
+        full = _Tap.apply(hub, state.compute.narrow(0, b.start, b.stop - b.start), reducer.arrived, k)
         sizes = [s.numel for s in b.slots]
         pad = full.numel() - sum(sizes)
         parts = torch.split(full, sizes + [pad] if pad else sizes)
@@ -293,7 +295,7 @@ def bucket_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, .
 
 
 class _Sink(torch.autograd.Function):
-    """The node every `_AddInto` feeds (``hub = _Sink.apply(sink)``): the gradients are in the
+    """The node every `local_views` tap feeds (``hub = _Sink.apply(sink)``): the gradients are in the
     accumulator already, so it hands the sink a zero that holds no memory (its hooks still run)."""
 
     @staticmethod
@@ -309,29 +311,15 @@ class _Sink(torch.autograd.Function):
         return torch.zeros((), dtype=ctx.dtype, device=_.device).expand(ctx.shape)
 
 
-class _AddInto(torch.autograd.Function):
-    """One parameter (a view of the compute buffer) whose gradient backward adds straight into
-    its place in the local accumulator (``sink.grad``)."""
-
-    @staticmethod
-    def forward(hub: torch.Tensor, param: torch.Tensor, sink: torch.Tensor, start: int) -> torch.Tensor:
-        return param.view_as(param)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        ctx.sink, ctx.start = inputs[2], inputs[3]
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        add_into(ctx.sink.grad.narrow(0, ctx.start, grad.numel()), grad.reshape(-1))
-        return torch.zeros((), dtype=torch.float32, device=grad.device), None, None, None
-
-
 def local_views(state: TrainState, sink: torch.Tensor) -> dict[str, torch.Tensor]:
     """Parameter views of ``state.compute`` (stages 0-1, one unit) whose gradients backward adds
     one by one into the full local accumulator ``sink.grad``: no flat gradient of the whole unit
     is assembled first (a concatenation and a fresh unit-sized buffer per micro-batch)."""
     (unit,) = state.layout.units
     hub = _Sink.apply(sink)
-    return {s.name: _AddInto.apply(hub, state.compute.narrow(0, s.offset, s.numel), sink, s.offset).view(s.shape)
+
+    def add(start: int, grad: torch.Tensor) -> None:
+        add_into(sink.grad.narrow(0, start, grad.numel()), grad.reshape(-1))
+
+    return {s.name: _Tap.apply(hub, state.compute.narrow(0, s.offset, s.numel), add, s.offset).view(s.shape)
             for s in unit.slots}
