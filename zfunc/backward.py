@@ -28,7 +28,7 @@ import torch
 from zfunc import comm
 from zfunc._tree import tree
 from zfunc.binding import BoundModel, cotangent_factor
-from zfunc.buckets import Fold
+from zfunc.buckets import Fold, reduce_group
 from zfunc.state import TrainState, accumulator
 
 __all__ = ["backward_step", "vjp", "accumulate", "record_micro", "check_room", "sinks_into", "point_sinks",
@@ -100,8 +100,7 @@ def boundary_fold(state: TrainState) -> Fold | None:
         True
     """
     cfg = state.cfg
-    group = state.mesh.world if state.stage == 0 else state.mesh.shard
-    if cfg.shards_grads or group.size == 1 or cfg.reduce_dtype != cfg.grad_accum_dtype:
+    if cfg.shards_grads or reduce_group(state).size == 1 or cfg.reduce_dtype != cfg.grad_accum_dtype:
         return None
     return Fold(len(state.binding.buckets(state)))
 

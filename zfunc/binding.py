@@ -278,16 +278,16 @@ class BoundModel:
         else:
             (unit,) = lay.units
             buckets = binding.buckets(state) if cfg.shards_grads and state.mesh.shard.size > 1 else ()
-            if len(buckets) > 1:  # reduced bucket by bucket during backward
-                tensors.update(bucket_views(state, self.sinks[0], buckets, binding._pool))
-            elif self.fold is not None:  # the step's last micro-batch: the accumulator reduced in backward
+            if self.fold is not None:  # stages 0-1, the step's last micro-batch: reduced in backward
                 tensors.update(bucket_views(state, self.sinks[0], binding.buckets(state), binding._pool,
                                             self.fold))
             elif not cfg.shards_grads:  # stages 0-1: each gradient added into the local accumulator
                 tensors.update(local_views(state, self.sinks[0]))
-            else:
+            elif len(buckets) > 1:  # reduce-scattered bucket by bucket during backward
+                tensors.update(bucket_views(state, self.sinks[0], buckets, binding._pool))
+            else:  # reduce-scattered in one piece
                 full = comm.unit_params(self.sinks[0], None, state.compute, state.mesh.shard, cfg.reduce_dtype,
-                                        cfg.shards_grads, fresh_grad=lay.splits(unit) > 1)
+                                        True, fresh_grad=lay.splits(unit) > 1)
                 tensors.update(lay.views(unit, full))
             contexts = []
         if cfg.autocast is None and cfg.compute_dtype != torch.float32:

@@ -43,7 +43,7 @@ from zfunc.widen import add_into, widened
 if TYPE_CHECKING:
     from zfunc.state import TrainState
 
-__all__ = ["Bucket", "Fold", "ShardPool", "plan_buckets", "bucket_views", "local_views"]
+__all__ = ["Bucket", "Fold", "ShardPool", "plan_buckets", "bucket_views", "local_views", "reduce_group"]
 
 _IN_FLIGHT = 4  # reductions running at once (bounds the memory of non-owned bucket copies)
 
@@ -135,14 +135,24 @@ class Fold:
 _UNREACHED = object()  # a bucket no gradient reached in this backward
 
 
+def reduce_group(state: TrainState) -> comm.Group:
+    """The ranks a stage 0-2 gradient is reduced over: the world at stage 0, else the shard group.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> reduce_group(zfunc.init(torch.nn.Linear(1, 1), zfunc.Config(stage=0))).size
+        1
+    """
+    return state.mesh.world if state.stage == 0 else state.mesh.shard
+
+
 class _Reducer:
     """One backward's reductions: started in bucket order, waited for by the collector."""
 
     def __init__(self, state: TrainState, buckets: tuple[Bucket, ...], pool: ShardPool, sink: torch.Tensor,
                  fold: Fold | None):
         self.buckets, self.state, self.pool, self.sink, self.fold = buckets, state, pool, sink, fold
-        mesh = state.mesh
-        self.group = mesh.world if state.stage == 0 else mesh.shard
+        self.group = reduce_group(state)
         self.dtype = state.cfg.reduce_dtype
         (unit,) = state.layout.units
         # Where owner r's piece sits in the buffer reduced into: the accumulator is a shard

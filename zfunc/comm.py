@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zfunc.widen import add_into, widened
+from zfunc.widen import widened
 
 __all__ = ["Group", "world", "all_reduce", "reduce_scatter", "all_gather", "broadcast",
            "all_gather_object", "unit_params", "all_reduce_start", "reduce_", "reduce_scatter_",
@@ -363,9 +363,7 @@ class _UnitParams(torch.autograd.Function):
     Forward returns ``full`` when it already exists (stages 0-2), else all-gathers ``shard``
     (stage 3). Backward sends the gradient to ``sink`` (a zero-cost, shard- or full-shaped leaf
     in the accumulation dtype): reduce-scattered, summed over ranks, when ``scatter`` (stages 2-3,
-    the transpose of the all-gather), else as it is (stages 0-1 accumulate locally). A local
-    gradient in another dtype than the accumulator (bf16 into fp32) is added to it in place,
-    without a converted copy of the whole buffer.
+    the transpose of the all-gather), else as it is.
     """
 
     @staticmethod
@@ -379,7 +377,6 @@ class _UnitParams(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
         sink, _, _, ctx.group, ctx.reduce_dtype, ctx.scatter, ctx.fresh = inputs
         ctx.sink_dtype = sink.dtype
-        ctx.sink = None if ctx.scatter else sink  # the local accumulator is read at backward
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
@@ -387,11 +384,6 @@ class _UnitParams(torch.autograd.Function):
             wire = grad if grad.dtype == ctx.reduce_dtype else widened(grad.reshape(-1), ctx.reduce_dtype)
             scratch = ctx.fresh or wire is not grad
             grad = (reduce_scatter_ if scratch else reduce_scatter)(wire, "sum", ctx.group)
-        elif grad.dtype != ctx.sink_dtype and ctx.sink.grad is not None:
-            acc = ctx.sink.grad
-            add_into(acc, grad.reshape(-1))
-            # A zero that holds no memory goes on, so the sink's accumulation and hooks still run.
-            grad = torch.zeros((), dtype=acc.dtype, device=acc.device).expand(acc.shape)
         return grad.to(ctx.sink_dtype), None, None, None, None, None, None
 
 

@@ -143,7 +143,8 @@ class GroupHyper:
     lr, weight_decay, beta1, beta2, eps; SGD: lr, weight_decay, momentum, dampening; Lion: lr,
     weight_decay, beta1, beta2; Adagrad: lr, weight_decay, lr_decay, eps) and the rest are 0.
     They are state, not config, so a training loop may change them (`zfunc.set_hyperparams`, or
-    ``optimizer.param_groups[i]["lr"] = ...`` in the engine) and a checkpoint keeps them. On the host, reading them never waits for a GPU.
+    ``optimizer.param_groups[i]["lr"] = ...`` in the engine) and a checkpoint keeps them. On the
+    host, reading them never waits for a GPU.
 
     Examples:
         >>> import torch, zfunc
