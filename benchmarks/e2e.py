@@ -13,6 +13,8 @@ Contenders (``--only`` picks a comma-separated subset):
 * ``zero0`` .. ``zero3``  zfunc ZeRO stage 0..3 (stage 3 gathers one unit per transformer block)
 * ``noprefetch3``  zfunc ZeRO-3 with ``prefetch=0`` (each unit gathered when its module starts), to
   measure what the prefetch buys
+* ``gloored1`` .. ``gloored3``  zfunc ZeRO-1..3 with gloo's own reduces instead of the
+  point-to-point sums (`zfunc.comm.Group.p2p`), the A/B of those
 * ``atstep0``, ``atstep1``  zfunc ZeRO-0/1 reducing the accumulated gradient at the step, in one
   piece, instead of in the last micro-batch's backward: what the boundary reduce buys
 * ``offload1`` .. ``offload3``  the same with ``offload_optimizer="cpu"`` (on this CPU machine the
@@ -65,6 +67,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the spawned ranks
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import platform
 import resource
@@ -83,8 +86,8 @@ SEQ = 128
 MICRO_BATCH = 8
 WORLD = 2
 LR, WD, CLIP = 1e-3, 0.01, 1.0
-CONTENDERS = ["ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3", "noprefetch3", "atstep0", "atstep1", "engine2",
-              "offload1", "offload2", "offload3", "ds1", "ds2", "ds3"]
+CONTENDERS = ["ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3", "noprefetch3", "atstep0", "atstep1", "gloored1",
+              "gloored2", "gloored3", "engine2", "offload1", "offload2", "offload3", "ds1", "ds2", "ds3"]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -222,7 +225,7 @@ def _setup_fsdp2(precision: str, accum: int):
 
 
 def _setup_zfunc(stage: int, precision: str, accum: int, offload: str | None = None, prefetch: int = 1,
-                 fold: bool = True):
+                 fold: bool = True, p2p: bool = True):
     import zfunc.backward
     from zfunc.models.gpt import Block
     model = _build_model()
@@ -230,6 +233,10 @@ def _setup_zfunc(stage: int, precision: str, accum: int, offload: str | None = N
                        optimizer=zfunc.adamw(lr=LR, weight_decay=WD), prefetch=prefetch,
                        units=(Block,) if stage == 3 else None)
     box = {"state": zfunc.init(model, cfg, donate=True)}  # the module runs only through zfunc
+    if not p2p:  # this state's shard group without its point-to-point twin: gloo's reduces
+        mesh = box["state"].mesh
+        box["state"] = box["state"].replace(mesh=dataclasses.replace(
+            mesh, shard=dataclasses.replace(mesh.shard, p2p=None)))
 
     # zfunc.train_step(lm_loss) is exactly this (it donates too); calling the two halves
     # directly lets the benchmark time them separately.
@@ -361,6 +368,8 @@ def _setup(name: str, precision: str, accum: int):
         return _setup_zfunc(3, precision, accum, prefetch=0)
     if name.startswith("atstep"):
         return _setup_zfunc(int(name[6:]), precision, accum, fold=False)
+    if name.startswith("gloored"):
+        return _setup_zfunc(int(name[7:]), precision, accum, p2p=False)
     raise ValueError(f"unknown contender {name!r}; expected one of {CONTENDERS}")
 
 
@@ -469,13 +478,35 @@ def _summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     # the optimizer part of the slowest rank's step
     opt_max = [max(r["times"][i] - r["fwdbwd"][i] for r in per_rank) for i in range(n)]
     cpu_max = [max(r["cpu"][i] for r in per_rank) for i in range(n)]
-    return {"median": statistics.median(step_max), "min": min(step_max), "max": max(step_max),
+    return {"median": statistics.median(step_max), "min": min(step_max), "max": max(step_max), "steps": step_max,
             "cpu": statistics.median(cpu_max),
             "fwdbwd": statistics.median(fb_max), "opt": statistics.median(opt_max),
             "peak_rss": [r["peak_rss"] for r in per_rank],
             "add_rss": [r["peak_rss"] - r["base_rss"] for r in per_rank],
             "state": [r["state_bytes"] for r in per_rank],
             "loss": per_rank[0]["loss"], "note": per_rank[0]["note"]}
+
+
+def _pairs(names: list[str]) -> list[tuple[str, str]]:
+    """The comparisons the goals name, and each A/B contender against its zfunc stage."""
+    out = [(f"zero{k}", f"ds{k}") for k in (1, 2, 3)]
+    out += [("zero1", "ddp"), ("zero2", "ddp"), ("zero3", "fsdp2"), ("zero0", "ddp"), ("zero3", "noprefetch3")]
+    out += [(f"zero{k}", f"{ab}{k}") for ab in ("atstep", "gloored") for k in (0, 1, 2, 3)]
+    return [(a, b) for a, b in out if a in names and b in names]
+
+
+def _paired(results: dict[str, dict[str, Any]], interleaved: bool) -> str:
+    """Per-round ratios: in an interleaved run every round times each contender once, close in
+    time, so ``a[i] / b[i]`` cancels the machine's drift between rounds; their median (and
+    quartiles) is the robust A/B. Without --interleave the rounds are minutes apart: not shown."""
+    if not interleaved:
+        return ""
+    lines = ["paired ratios (median over rounds of a / b in the same round [quartiles]; < 1: a is faster):"]
+    for a, b in _pairs(list(results)):
+        ratios = sorted(x / y for x, y in zip(results[a]["steps"], results[b]["steps"]))
+        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+        lines.append(f"  {a:>8s} / {b:<11s} {statistics.median(ratios):.3f}  [{q[0]:.3f}, {q[2]:.3f}]")
+    return "\n".join(lines) if len(lines) > 1 else ""
 
 
 def _mib(x: float) -> str:
@@ -549,6 +580,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
           flush=True)
     print(ds, flush=True)
     results: dict[str, dict[str, Any]] = {}
+    interleaved = False
     if args.interleave and not args.profile:
         t0 = time.perf_counter()
         per_rank = zfunc.launch(run_rank_interleaved, world_size=WORLD, threads=1, timeout=3600,
@@ -556,7 +588,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
         print(f"interleaved: all contenders in one world, steps alternating "
               f"[{time.perf_counter() - t0:.0f} s]; RSS columns are not measured in this mode", flush=True)
         results = {n: _summarise([r[n] for r in per_rank]) for n in names}
-        names = []
+        names, interleaved = [], True
     for name in names:
         t0 = time.perf_counter()
         per_rank = zfunc.launch(run_rank, world_size=WORLD, threads=1, timeout=1800,
@@ -574,6 +606,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     if results:
         print()
         print(_table(results))
+        paired = _paired(results, interleaved)
+        if paired:
+            print("\n" + paired)
         if "ddp" in results and "zero2" in results:
             q = results["zero2"]["median"] / results["ddp"]["median"]
             c = results["zero2"]["cpu"] / results["ddp"]["cpu"]
@@ -588,7 +623,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
         import json
         with open(args.json, "w") as f:
             json.dump({"precision": args.precision, "grad_accum": args.grad_accum, "steps": args.steps,
-                       "results": {n: {k: r[k] for k in ("median", "min", "max", "cpu", "fwdbwd", "opt", "loss")}
+                       "results": {n: {k: r[k] for k in ("median", "min", "max", "cpu", "fwdbwd", "opt", "loss",
+                                                         "steps")}
                                    | {"state_mib": r["state"][0]["total"] / 2**20} for n, r in results.items()}},
                       f, indent=1)
     return results

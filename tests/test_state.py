@@ -114,11 +114,12 @@ def _collectives(rank: int, stage: int) -> tuple[list, list, list]:
     state = zfunc.init(MODELS["zoo"][0](), zfunc.Config(stage=stage, grad_accum=2))
     counter = _Counting(comm.dist)
     flat = {"rs": comm._reduce_scatter_flat, "ag": comm._all_gather_flat, "rs_": comm.reduce_scatter_,
-            "rs0": comm.reduce_scatter_start}
+            "rs0": comm.reduce_scatter_start, "r": comm.reduce_}
     comm.dist = counter
     comm._reduce_scatter_flat = counter.flat("reduce_scatter", flat["rs"])
-    comm.reduce_scatter_ = counter.flat("reduce_scatter", flat["rs_"])  # built of reduces on gloo
+    comm.reduce_scatter_ = counter.flat("reduce_scatter", flat["rs_"])  # point-to-point on gloo
     comm.reduce_scatter_start = counter.flat("reduce_scatter", flat["rs0"])
+    comm.reduce_ = counter.flat("reduce", flat["r"])
     comm._all_gather_flat = counter.flat("all_gather", flat["ag"])
     try:
         state, _ = zfunc.backward_step(state, zoo_loss, zoo_batch(0, rank, 2))
@@ -132,7 +133,7 @@ def _collectives(rank: int, stage: int) -> tuple[list, list, list]:
     finally:
         comm.dist = counter.real
         comm._reduce_scatter_flat, comm._all_gather_flat = flat["rs"], flat["ag"]
-        comm.reduce_scatter_, comm.reduce_scatter_start = flat["rs_"], flat["rs0"]
+        comm.reduce_scatter_, comm.reduce_scatter_start, comm.reduce_ = flat["rs_"], flat["rs0"], flat["r"]
     return first, second, boundary
 
 

@@ -287,7 +287,7 @@ class BoundModel:
                 tensors.update(bucket_views(state, self.sinks[0], buckets, binding._pool))
             else:  # reduce-scattered in one piece
                 full = comm.unit_params(self.sinks[0], None, state.compute, state.mesh.shard, cfg.reduce_dtype,
-                                        True, fresh_grad=lay.splits(unit) > 1)
+                                        True)
                 tensors.update(lay.views(unit, full))
             contexts = []
         if cfg.autocast is None and cfg.compute_dtype != torch.float32:

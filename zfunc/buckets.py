@@ -203,7 +203,7 @@ class _Reducer:
             self.works.append((comm.all_reduce_start(region, "sum", self.group), None, None))
             return
         for owner, start, stop in b.pieces:
-            piece = self.out.narrow(0, start, stop - start)
+            piece = self.out.narrow(0, start, stop - start)  # other ranks' pieces are only read
             self.works.append((comm.reduce_(piece, owner, "sum", self.group, async_op=True), None, None))
 
     def _reduce_pieces(self, b: Bucket, grad: torch.Tensor) -> None:
@@ -214,8 +214,8 @@ class _Reducer:
                 mine = self.out.narrow(0, start - owner * self.shard, stop - start)
                 buf = add_into(mine, piece) if self.direct else mine.copy_(piece)
                 self.works.append((comm.reduce_(buf, owner, "sum", self.group, async_op=True), None, None))
-            else:  # a copy of our own: the reduce uses it as scratch
-                buf = widened(piece, self.dtype)
+            else:  # sent as it is (read only), or a copy in the reduce dtype
+                buf = piece if piece.dtype == self.dtype else widened(piece, self.dtype)
                 self.works.append((comm.reduce_(buf, owner, "sum", self.group, async_op=True), buf, None))
 
     def _all_reduce_add(self, b: Bucket, grad: torch.Tensor) -> None:

@@ -100,11 +100,9 @@ class _UnitReducer:
         self.pending: collections.deque = collections.deque()
         self.results: dict[int, torch.Tensor] = {}
 
-    def start(self, i: int, grad: torch.Tensor, fresh: bool) -> None:
+    def start(self, i: int, grad: torch.Tensor) -> None:
         st = self.gatherer.state
-        wire = grad.to(st.cfg.reduce_dtype)
-        if wire is grad and not fresh:  # not ours to overwrite
-            wire = grad.clone()
+        wire = grad.to(st.cfg.reduce_dtype)  # only read by the reduce-scatter
         out, handle = comm.reduce_scatter_start(wire, "sum", st.mesh.shard)
         self.pending.append((i, out, handle))
         self.gatherer._done(i)  # the unit's backward is done: its regathered copy is not needed
@@ -142,17 +140,17 @@ class _GatherUnit(torch.autograd.Function):
     collector ``hub``."""
 
     @staticmethod
-    def forward(hub: torch.Tensor, gatherer: UnitGatherer, i: int, fresh: bool) -> torch.Tensor:
+    def forward(hub: torch.Tensor, gatherer: UnitGatherer, i: int) -> torch.Tensor:
         return gatherer.fetch(i)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        ctx.reducer, ctx.i, ctx.fresh = inputs[1].reducer, inputs[2], inputs[3]
+        ctx.reducer, ctx.i = inputs[1].reducer, inputs[2]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        ctx.reducer.start(ctx.i, grad, ctx.fresh)
-        return torch.zeros((), dtype=torch.float32, device=grad.device), None, None, None
+        ctx.reducer.start(ctx.i, grad)
+        return torch.zeros((), dtype=torch.float32, device=grad.device), None, None
 
 
 class UnitGatherer:
@@ -220,11 +218,10 @@ class UnitGatherer:
     def gather(self, i: int) -> torch.Tensor:
         """Unit ``i`` in full, differentiable: its backward reduce-scatters into sink ``i``."""
         st = self.state
-        fresh = st.layout.splits(st.layout.units[i]) > 1
         if self.reducer is not None and not in_backward():
-            return _GatherUnit.apply(self.hub, self, i, fresh)
+            return _GatherUnit.apply(self.hub, self, i)
         return _count_bytes(comm.unit_params(self.sinks[i], self._shard(i), None, st.mesh.shard, st.cfg.reduce_dtype,
-                                             True, fresh_grad=fresh))
+                                             True))
 
     def regather(self, i: int) -> torch.Tensor:
         """Unit ``i`` in full again, for backward (shared by the saved tensors that need it); the

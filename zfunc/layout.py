@@ -150,10 +150,6 @@ class Layout:
         parts = torch.split(flat, sizes + [pad] if pad else sizes)
         return {s.name: p.view(s.shape) for s, p in zip(unit.slots, parts)}
 
-    def splits(self, unit: Unit) -> int:
-        """How many pieces `views` cuts ``unit``'s flat buffer into (its parameters and padding)."""
-        return len(unit.slots) + (unit.padded > unit.numel)
-
     def rank_slices(self, unit: Unit, flat: torch.Tensor) -> torch.Tensor:
         """``unit``'s flat buffer seen as ``(world, shard)``: row ``r`` is what rank ``r`` owns."""
         return rearrange(flat, "(r s) -> r s", r=self.world)

@@ -22,7 +22,7 @@ from zfunc.errors import ConfigError
 
 __all__ = ["Mesh", "make_mesh", "shard_ranks"]
 
-_CACHE: dict[tuple[Any, ...], Mesh] = {}
+_CACHE: dict[tuple[Any, ...], tuple[Any, Mesh]] = {}  # by world: (the default group, its mesh)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -94,18 +94,36 @@ def make_mesh(world: Group, shard_size: int | None) -> Mesh:
         Mesh(world=1, shard=1, replicas=1)
     """
     n, k = world.size, shard_ranks(shard_size, world.size)
-    if k == n:
+    if n == 1:
         return Mesh(world=world, shard=world, replicas=Group(rank=0, size=1))
     ranks = _ranks(world)
     key = (id(dist.group.WORLD), id(world.pg), tuple(ranks), k)
-    if key not in _CACHE:
-        me = world.rank
-        start, index = me - me % k, me % k
+    cached = _CACHE.get(key)
+    if cached is not None and cached[0] is dist.group.WORLD:
+        return cached[1]
+    me = world.rank
+    start, index = me - me % k, me % k
+    if k == n:
+        p2p = _p2p_groups(world, ranks, k)
+        shard = Group(rank=me, size=n, pg=world.pg, p2p=p2p[0] if p2p else None)
+        mesh = Mesh(world=world, shard=shard, replicas=Group(rank=0, size=1))
+    else:
         # Every member of a group creates it (local synchronisation): all ranks first their shard
         # group, then their replica group, so no two ranks wait on each other in opposite order.
         shard = dist.new_group(ranks[start:start + k], use_local_synchronization=True)
         column = ranks[index::k]
         replicas = dist.new_group(column, use_local_synchronization=True)
-        _CACHE[key] = Mesh(world=world, shard=Group(rank=index, size=k, pg=shard),
-                           replicas=Group(rank=me // k, size=n // k, pg=replicas))
-    return _CACHE[key]
+        p2p = _p2p_groups(world, ranks, k)
+        mesh = Mesh(world=world, shard=Group(rank=index, size=k, pg=shard, p2p=p2p[start // k] if p2p else None),
+                    replicas=Group(rank=me // k, size=n // k, pg=replicas))
+    _CACHE[key] = (dist.group.WORLD, mesh)
+    return mesh
+
+
+def _p2p_groups(world: Group, ranks: list[int], k: int) -> list[Any]:
+    """For a gloo default world: a second process group over each shard group's ranks (every
+    rank creates all of them, in order, as ``dist.new_group`` asks), for the point-to-point sums
+    of `zfunc.comm` (see `zfunc.comm.Group`). Empty otherwise: the backend's own reduces then."""
+    if world.pg is not None or k == 1 or dist.get_backend() != "gloo":
+        return []
+    return [dist.new_group(ranks[s:s + k]) for s in range(0, len(ranks), k)]
