@@ -143,7 +143,8 @@ def test_collectives_per_micro_step():
         # bucket here: an all-reduce at stage 0, a reduce to each owner at stage 1)
         0: ([], ["all_reduce"], ["all_reduce"]),  # apply_step: loss and counts
         1: ([], ["reduce", "reduce"], ["all_reduce", "all_gather"]),
-        2: (["reduce_scatter"], ["reduce_scatter"], ["all_reduce", "all_gather"]),
+        # stage 2: every micro-batch reduces each bucket (one here) to each owner in backward
+        2: (["reduce", "reduce"], ["reduce", "reduce"], ["all_reduce", "all_gather"]),
         # stage 3: each unit's gather, the units-agree check after forward, the reduce-scatter
         3: (["all_gather", "all_reduce", "reduce_scatter"], ["all_gather", "all_reduce", "reduce_scatter"],
             ["all_reduce"]),

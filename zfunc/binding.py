@@ -24,7 +24,6 @@ import torch
 from torch.func import functional_call
 from torch.utils.hooks import RemovableHandle
 
-from zfunc import comm
 from zfunc._tree import tree
 from zfunc.buckets import Bucket, Fold, ShardPool, bucket_views, local_views, plan_buckets
 from zfunc.cotangent import scale_tree
@@ -227,9 +226,9 @@ class ModuleBinding:
         self._members = []
 
     def bind(self, state: TrainState, sinks: Sequence[torch.Tensor], buffers: dict[str, torch.Tensor],
-             fold: Fold | None = None) -> BoundModel:
+             fold: Fold | None = None, scale_outputs: bool = True) -> BoundModel:
         """The module as a function of its inputs on ``state``'s parameters and ``buffers``."""
-        return BoundModel(state, list(sinks), buffers, fold)
+        return BoundModel(state, list(sinks), buffers, fold, scale_outputs)
 
 
 class BoundModel:
@@ -239,11 +238,14 @@ class BoundModel:
     `zfunc.backward.sinks_into`). ``buffers`` (cloned by the caller unless donated) receive
     the buffers' new values, e.g. BatchNorm running statistics, for the state that follows.
     With ``fold`` (stages 0-1, the step's last micro-batch) backward reduces the accumulator.
+    Without ``scale_outputs`` the outputs do not carry the cotangent factor: the caller seeds
+    backward with it (`zfunc.backward_step`, whose loss is a scalar it holds).
     """
 
     def __init__(self, state: TrainState, sinks: list[torch.Tensor], buffers: dict[str, torch.Tensor],
-                 fold: Fold | None = None):
+                 fold: Fold | None = None, scale_outputs: bool = True):
         self.state, self.sinks, self.buffers, self.fold = state, sinks, buffers, fold
+        self.scale_outputs = scale_outputs
         self.gatherer: UnitGatherer | None = None  # stage 3, during a call
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -276,19 +278,13 @@ class BoundModel:
             contexts: list[Any] = [gatherer.saved_tensor_hooks()]
             binding._latest = weakref.ref(gatherer)
         else:
-            (unit,) = lay.units
-            buckets = binding.buckets(state) if cfg.shards_grads and state.mesh.shard.size > 1 else ()
             if self.fold is not None:  # stages 0-1, the step's last micro-batch: reduced in backward
                 tensors.update(bucket_views(state, self.sinks[0], binding.buckets(state), binding._pool,
                                             self.fold))
-            elif not cfg.shards_grads:  # stages 0-1: each gradient added into the local accumulator
+            elif cfg.shards_grads and state.mesh.shard.size > 1:  # reduce-scattered bucket by bucket
+                tensors.update(bucket_views(state, self.sinks[0], binding.buckets(state), binding._pool))
+            else:  # each gradient added into the local accumulator (a shard of one rank is all of it)
                 tensors.update(local_views(state, self.sinks[0]))
-            elif len(buckets) > 1:  # reduce-scattered bucket by bucket during backward
-                tensors.update(bucket_views(state, self.sinks[0], buckets, binding._pool))
-            else:  # reduce-scattered in one piece
-                full = comm.unit_params(self.sinks[0], None, state.compute, state.mesh.shard, cfg.reduce_dtype,
-                                        True)
-                tensors.update(lay.views(unit, full))
             contexts = []
         if cfg.autocast is None and cfg.compute_dtype != torch.float32:
             # Like FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True): a low-precision model
@@ -311,6 +307,8 @@ class BoundModel:
                 state.binding.unit_order = list(self.gatherer.order)  # the next forward's prefetch hint
         for name in self.buffers:  # a buffer the module reassigned (not updated in place)
             self.buffers[name] = tensors[name]
+        if not self.scale_outputs:
+            return out
         scaled, count = scale_tree(out, cotangent_factor(state))
         if count == 0 and torch.is_grad_enabled():
             raise TypeError(

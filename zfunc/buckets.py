@@ -5,27 +5,30 @@ the contiguous slice ``r``. A *bucket* is a run of whole parameters of that buff
 ``Config.bucket_mb`` of gradient. Buckets are cut from the end of the buffer, so backward
 completes them roughly in order, last layers first (DDP's buckets, DeepSpeed's ``overlap_comm``).
 
-In forward each bucket is its own autograd node (`_Tap`), so its backward runs as soon
-as its parameters' gradients are complete. It starts, asynchronously, the bucket's collectives
-and backward goes on computing. Every bucket feeds one collector node (`Collect`), which
-autograd runs after the last bucket: it waits for the reductions and hands the result to the sink.
+In forward each parameter is its own autograd node (`_Tap`), whose backward runs as soon as
+that parameter's gradient is complete and puts it in place: added into the accumulator where the
+sum will land, or copied into its bucket's staging buffer where it is only sent (no bucket-sized
+gradient is concatenated). When a bucket's last parameter is in, its collectives start,
+asynchronously, and backward goes on computing. Every tap feeds one collector node (`Collect`),
+which autograd runs after the last: it waits for the reductions and hands the result to the sink.
 
 Where backward reduces (`Config.shards_grads`: stage 2, stage 1 at ``grad_accum=1``), each
 bucket is one reduce per rank that owns part of it. The owner's piece is reduced in place in the
-gradient accumulator itself (the sink's ``.grad``; the owner adds its accumulated shard to its
-own contribution first, so the sum lands there), or, when the accumulator's dtype is not the
-reduce dtype, in a shard-sized result.
+gradient accumulator itself (the sink's ``.grad``: each parameter's gradient is added to the
+accumulated shard as it arrives, so the sum lands there), or, when the accumulator's dtype is not
+the reduce dtype, in a shard-sized result.
 
 Stages 0-1 otherwise accumulate the full local gradient and reduce it once per step. The step's
-last micro-batch (the accumulation boundary) folds that reduce into its backward (a `Fold`): a
-bucket's gradient is added to the local accumulator and the sum reduced in place, all-reduced at
-stage 0, reduced to each piece's owner at stage 1; `zfunc.apply_step` then finds the gradient
-reduced (``TrainState.reduced``). The accumulator enters the reduce once per bucket: a second
-call of the model in the same micro-batch reduces only its own gradient and adds the result.
+last micro-batch (the accumulation boundary) folds that reduce into its backward (a `Fold`): the
+gradients are added to the local accumulator and each bucket's sum reduced in place, all-reduced
+at stage 0, reduced to each piece's owner at stage 1; `zfunc.apply_step` then finds the gradient
+reduced (``TrainState.reduced``). The accumulator enters the reduce once per bucket (the first
+call of the model whose gradient reaches it claims it): a second call of the model in the same
+micro-batch reduces only its own gradient and adds the result once the first reduce is in.
 
-Buckets start in a fixed order on every rank: a bucket whose node has not run yet holds back
-the ones after it, and the collector starts the buckets no gradient reached (parameters this
-rank did not use) with zeros. So every rank issues the same collectives in the same order.
+Buckets start in a fixed order on every rank: a bucket not complete yet holds back the ones
+after it, and the collector starts the rest, the parameters no gradient reached (this rank did
+not use them) adding zeros. So every rank issues the same collectives in the same order.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import torch
 
 from zfunc import comm
 from zfunc.layout import Layout, Slot
-from zfunc.widen import add_into, widened
+from zfunc.widen import add_into, copy_into
 
 if TYPE_CHECKING:
     from zfunc.state import TrainState
@@ -118,6 +121,7 @@ class Fold:
 
     def __init__(self, n: int):
         self.folded = [False] * n
+        self.handles: dict[int, list[Any]] = {}  # a folded bucket's reduces (a later call waits for them)
 
     @property
     def done(self) -> bool:
@@ -130,9 +134,7 @@ class Fold:
     def reset(self) -> None:
         """Forget the folds (a fresh accumulator behind the same sinks)."""
         self.folded = [False] * len(self.folded)
-
-
-_UNREACHED = object()  # a bucket no gradient reached in this backward
+        self.handles = {}
 
 
 def reduce_group(state: TrainState) -> comm.Group:
@@ -147,7 +149,9 @@ def reduce_group(state: TrainState) -> comm.Group:
 
 
 class _Reducer:
-    """One backward's reductions: started in bucket order, waited for by the collector."""
+    """One backward's reductions. Each parameter's gradient is put in place as it arrives (added
+    into the accumulator, or copied into its bucket's staging buffer); a bucket's reduce starts
+    once all its parameters are in, in bucket order; the collector waits for them all."""
 
     def __init__(self, state: TrainState, buckets: tuple[Bucket, ...], pool: ShardPool, sink: torch.Tensor,
                  fold: Fold | None):
@@ -158,90 +162,146 @@ class _Reducer:
         # Where owner r's piece sits in the buffer reduced into: the accumulator is a shard
         # (`Config.shards_grads`) or the full local gradient (a fold).
         self.shard = unit.shard if fold is None else 0
+        self.bucket_of = {s.offset: k for k, b in enumerate(buckets) for s in b.slots}
         self._reset()
 
     def _reset(self) -> None:
-        self.ready: list[Any] = [None] * len(self.buckets)
+        n = len(self.buckets)
+        self.missing = [{s.offset: s.numel for s in b.slots} for b in self.buckets]  # not arrived yet
+        self.opened = [False] * n
+        self.folds = [False] * n  # the bucket's gradient goes into the accumulator, reduced there
+        self.staged: list[torch.Tensor | None] = [None] * n  # else it is gathered here first
+        self.complete = [False] * n
         self.next = 0
         self.works: collections.deque = collections.deque()
         self.out: torch.Tensor | None = None
         self.direct = False  # reducing into the accumulator (sink.grad) itself
 
-    def arrived(self, k: int, grad: torch.Tensor) -> None:
-        self.ready[k] = grad
-        while self.next < len(self.buckets) and self.ready[self.next] is not None:
-            self._start(self.next)
-            self.next += 1
+    def take(self, offset: int, grad: torch.Tensor) -> None:
+        """A parameter's gradient (the parameter at ``offset`` of the flat buffer) is complete."""
+        k = self.bucket_of[offset]
+        if not self.opened[k]:
+            self._open(k)
+        self._place(k, offset, grad.reshape(-1))
+        del self.missing[k][offset]
+        if not self.missing[k]:
+            self.complete[k] = True
+            while self.next < len(self.buckets) and self.complete[self.next]:
+                self._start(self.next)
+                self.next += 1
 
-    def _start(self, k: int) -> None:
-        b, grad = self.buckets[k], self.ready[k]
-        self.ready[k] = None
+    def _open(self, k: int) -> None:
+        """Decide where bucket ``k``'s gradients go, at its first one (or at the end, unreached)."""
+        self.opened[k] = True
         if self.out is None:
             acc = self.sink.grad
             self.direct = self.fold is not None or (acc is not None and acc.dtype == self.dtype)
             self.out = acc if self.direct else self.pool.take()
         if self.fold is not None and not self.fold.folded[k]:
-            self.fold.folded[k] = True
-            self._fold(b, grad)
+            self.fold.folded[k] = True  # this call's gradient joins the accumulator, reduced once
+            self.folds[k] = True
         else:
-            if grad is _UNREACHED:
-                grad = torch.zeros(b.stop - b.start, dtype=self.dtype, device=self.state.device)
-            if self.state.stage == 0:
-                self._all_reduce_add(b, grad)
+            b = self.buckets[k]
+            # Pages are only touched where written: at stage 2 the parts other ranks own.
+            self.staged[k] = torch.empty(b.stop - b.start, dtype=self.dtype, device=self.state.device)
+
+    def _place(self, k: int, offset: int, grad: torch.Tensor) -> None:
+        n = grad.numel()
+        if self.folds[k]:  # the step's last micro-batch at stages 0-1: into the local accumulator
+            add_into(self.out.narrow(0, offset, n), grad)
+            return
+        b, staged = self.buckets[k], self.staged[k]
+        for owner, start, stop in b.pieces:
+            lo, hi = max(start, offset), min(stop, offset + n)
+            if lo >= hi:
+                continue
+            part = grad.narrow(0, lo - offset, hi - lo)
+            if self.fold is None and self.direct and owner == self.group.rank:  # straight into our shard
+                add_into(self.out.narrow(0, lo - owner * self.shard, hi - lo), part)
             else:
-                self._reduce_pieces(b, grad)
+                copy_into(staged.narrow(0, lo - b.start, hi - lo), part)
+
+    def _start(self, k: int) -> None:
+        b = self.buckets[k]
+        if not self.opened[k]:
+            self._open(k)
+        staged = self.staged[k]
+        if staged is not None:  # what no gradient reached adds zero (unused parameters, padding)
+            for offset, numel in self.missing[k].items():
+                staged.narrow(0, offset - b.start, numel).zero_()
+            end = b.slots[-1].offset + b.slots[-1].numel
+            staged.narrow(0, end - b.start, b.stop - end).zero_()
+        self.missing[k] = {}
+        if self.folds[k]:
+            self._fold(k)
+        elif self.state.stage == 0:
+            self._all_reduce_add(k, staged)
+        else:
+            self._reduce_pieces(k, staged)
         while len(self.works) > _IN_FLIGHT:
             self._wait()
 
-    def _fold(self, b: Bucket, grad: Any) -> None:
+    def _fold(self, k: int) -> None:
         """The bucket's first reduce at the boundary: local accumulator plus this gradient, reduced
-        in place (at stage 1 the pieces other ranks own are scratch afterwards)."""
-        region = self.out.narrow(0, b.start, b.stop - b.start)
-        if grad is not _UNREACHED:
-            add_into(region, grad)
+        in place (at stage 1 the pieces other ranks own are only read)."""
+        b = self.buckets[k]
         if self.state.stage == 0:
-            self.works.append((comm.all_reduce_start(region, "sum", self.group), None, None))
-            return
-        for owner, start, stop in b.pieces:
-            piece = self.out.narrow(0, start, stop - start)  # other ranks' pieces are only read
-            self.works.append((comm.reduce_(piece, owner, "sum", self.group, async_op=True), None, None))
+            handles = [comm.all_reduce_start(self.out.narrow(0, b.start, b.stop - b.start), "sum", self.group)]
+        else:
+            handles = [comm.reduce_(self.out.narrow(0, start, stop - start), owner, "sum", self.group, async_op=True)
+                       for owner, start, stop in b.pieces]
+        self.fold.handles[k] = handles
+        self.works.extend((h, None, None) for h in handles)
 
-    def _reduce_pieces(self, b: Bucket, grad: torch.Tensor) -> None:
+    def _settle_fold(self, k: int) -> None:
+        """A later call's gradient of a bucket the accumulator went into a reduce with: that reduce
+        must be in before anything is added where it lands."""
+        if self.fold is not None:
+            for h in self.fold.handles.get(k, ()):
+                h.wait()
+
+    def _reduce_pieces(self, k: int, staged: torch.Tensor) -> None:
         """One reduce per owner of the bucket; the owner's lands on its accumulated piece."""
+        b = self.buckets[k]
         for owner, start, stop in b.pieces:
-            piece = grad.narrow(0, start - b.start, stop - start)
+            piece = staged.narrow(0, start - b.start, stop - start)
             if owner == self.group.rank:  # reduced straight into its place in this rank's buffer
                 mine = self.out.narrow(0, start - owner * self.shard, stop - start)
-                buf = add_into(mine, piece) if self.direct else mine.copy_(piece)
-                self.works.append((comm.reduce_(buf, owner, "sum", self.group, async_op=True), None, None))
-            else:  # sent as it is (read only), or a copy in the reduce dtype
-                buf = piece if piece.dtype == self.dtype else widened(piece, self.dtype)
-                self.works.append((comm.reduce_(buf, owner, "sum", self.group, async_op=True), buf, None))
+                if self.fold is not None:  # a later call at the boundary: onto the reduced sum
+                    self._settle_fold(k)
+                    add_into(mine, piece)
+                elif not self.direct:
+                    mine.copy_(piece)
+                # (direct at stage 2: the gradients were added into ``mine`` as they arrived)
+                self.works.append((comm.reduce_(mine, owner, "sum", self.group, async_op=True), None, None))
+            else:  # sent from the staging buffer (only read)
+                self.works.append((comm.reduce_(piece, owner, "sum", self.group, async_op=True), staged, None))
 
-    def _all_reduce_add(self, b: Bucket, grad: torch.Tensor) -> None:
+    def _all_reduce_add(self, k: int, staged: torch.Tensor) -> None:
         """Stage 0, a bucket reduced already in this micro-batch: all-reduce this gradient alone and
         add the sum to the reduced accumulator once it is in."""
-        buf = widened(grad, self.dtype)
+        b = self.buckets[k]
+        self._settle_fold(k)
         region = self.out.narrow(0, b.start, b.stop - b.start)
-        self.works.append((comm.all_reduce_start(buf, "sum", self.group), buf, region))
+        self.works.append((comm.all_reduce_start(staged, "sum", self.group), staged, region))
 
     def _wait(self) -> None:
-        work, buf, add_to = self.works.popleft()  # buf: a copy of ours the collective works on
+        work, buf, add_to = self.works.popleft()  # buf: a buffer of ours the collective works on
         work.wait()
         if add_to is not None:
             add_to.add_(buf)
 
     def finish(self) -> list[torch.Tensor]:
-        """Start what no gradient reached (with zeros), wait for all, and return the shard (a
-        broadcast zero when it was reduced into the accumulator)."""
+        """Start what is not complete (unused parameters add zeros), wait for all, and return the
+        shard (a broadcast zero when it was reduced into the accumulator)."""
         for k in range(self.next, len(self.buckets)):
-            if self.ready[k] is None:
-                self.ready[k] = _UNREACHED
             self._start(k)
         while self.works:
             self._wait()
         out, direct = self.out, self.direct
         self._reset()  # a second backward over the same graph (retain_graph) starts afresh
+        if out is None:  # no bucket at all (nothing to reduce)
+            out, direct = self.sink.grad, True
         if direct:  # the sum is in the accumulator already: a zero that holds no memory, so the
             # sink's accumulation (and its hooks, which the engine counts on) still runs
             return [torch.zeros((), dtype=out.dtype, device=out.device).expand(out.shape)]
@@ -291,17 +351,12 @@ class _Tap(torch.autograd.Function):
 def bucket_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, ...], pool: ShardPool,
                  fold: Fold | None = None) -> dict[str, torch.Tensor]:
     """Parameter views of ``state.compute`` whose gradients reach ``sink`` bucket by bucket
-    (reduced into the full local accumulator with ``fold``, else reduce-scattered)."""
+    (reduced into the full local accumulator with ``fold``, else reduce-scattered). Each
+    parameter is its own tap: no bucket-sized gradient is concatenated in backward."""
     reducer = _Reducer(state, buckets, pool, sink, fold)
     hub = Collect.apply(reducer, sink)
-    views: dict[str, torch.Tensor] = {}
-    for k, b in enumerate(buckets):
-        full = _Tap.apply(hub, state.compute.narrow(0, b.start, b.stop - b.start), reducer.arrived, k)
-        sizes = [s.numel for s in b.slots]
-        pad = full.numel() - sum(sizes)
-        parts = torch.split(full, sizes + [pad] if pad else sizes)
-        views.update({s.name: p.view(s.shape) for s, p in zip(b.slots, parts)})
-    return views
+    return {s.name: _Tap.apply(hub, state.compute.narrow(0, s.offset, s.numel), reducer.take, s.offset).view(s.shape)
+            for b in buckets for s in b.slots}
 
 
 class _Sink(torch.autograd.Function):

@@ -13,7 +13,7 @@ import torch
 
 import zfunc_kernels
 
-__all__ = ["add_into", "widened"]
+__all__ = ["add_into", "copy_into", "widened"]
 
 _MIN = 1 << 12  # elements: below this the kernel call costs more than it saves
 
@@ -37,6 +37,19 @@ def add_into(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return out.add_(x)
 
 
+def copy_into(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``out[:] = x`` (``x`` widened to ``out``'s dtype as it is copied); returns ``out``.
+
+    Examples:
+        >>> out = torch.zeros(2)
+        >>> copy_into(out, torch.tensor([0.5, 2.0], dtype=torch.bfloat16)).tolist()
+        [0.5, 2.0]
+    """
+    if _kernel(out, x):
+        return zfunc_kernels.accumulate(out, x, overwrite=True)
+    return out.copy_(x)
+
+
 def widened(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A new tensor holding ``x`` in ``dtype`` (a copy even when the dtype is ``x``'s).
 
@@ -46,7 +59,4 @@ def widened(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         >>> y.dtype, y.tolist()
         (torch.float32, [0.5, 2.0])
     """
-    out = torch.empty(x.shape, dtype=dtype, device=x.device)
-    if _kernel(out, x):
-        return zfunc_kernels.accumulate(out, x, overwrite=True)
-    return out.copy_(x)
+    return copy_into(torch.empty(x.shape, dtype=dtype, device=x.device), x)
