@@ -1,4 +1,5 @@
-"""Bar chart of step time per contender from ``e2e.py --json`` files (one panel per file).
+"""Bar chart of step time per contender from ``e2e.py --json`` files (one panel per file);
+whiskers span the middle half of the steps (quartiles) where the file has them.
 
     python benchmarks/plot.py benchmarks/e2e_fp32.json benchmarks/e2e_bf16.json -o benchmarks/e2e.png
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,10 +27,14 @@ def main(argv: list[str] | None = None) -> None:
     for ax, run in zip(axes.flat, runs):
         names = list(run["results"])
         med = [run["results"][n]["median"] for n in names]
-        colors = ["#4c72b0" if n.startswith(("zero", "offload", "engine", "noprefetch", "atstep")) else
+        colors = ["#4c72b0" if n.startswith(("zero", "offload", "engine", "noprefetch", "atstep", "gloored")) else
                   "#dd8452" if n.startswith("ds") else "#8c8c8c" for n in names]
-        ax.bar(names, med, color=colors)
-        ax.set_title(f"{run['precision']}, grad_accum {run['grad_accum']} (median of {run['steps']} steps)")
+        spread = None
+        if all("steps" in run["results"][n] and len(run["results"][n]["steps"]) > 1 for n in names):
+            quart = [statistics.quantiles(run["results"][n]["steps"], n=4) for n in names]
+            spread = [[m - q[0] for m, q in zip(med, quart)], [q[2] - m for m, q in zip(med, quart)]]
+        ax.bar(names, med, color=colors, yerr=spread, capsize=3, ecolor="#333333")
+        ax.set_title(f"{run['precision']}, grad_accum {run['grad_accum']} (median of {run['steps']} steps, quartiles)")
         ax.set_ylabel("s/step, slowest rank")
         ax.tick_params(axis="x", rotation=45)
         for i, m in enumerate(med):
