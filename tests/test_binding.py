@@ -258,17 +258,7 @@ class SlottedOut(nn.Linear):
 def test_an_output_zfunc_cannot_scale_is_refused_by_type():
     state = zfunc.init(SlottedOut(3, 2), zfunc.Config(stage=0))
     with pytest.raises(TypeError, match=r"Slotted\.value \(a __slots__ attribute\)"):
-        zfunc.vjp(state, lambda m, x: m(x).value.sum(), torch.ones(1, 3))
-    assert state.micro_step.item() == 0
-    # backward_step puts the factor on its scalar loss: it never needs to reach into the output
-    later, _ = zfunc.backward_step(state, lambda m, x: m(x).value.sum(), torch.ones(1, 3))
-    assert later.grads[:3].tolist() == [1.0, 1.0, 1.0]
-
-
-def test_a_loss_without_a_gradient_is_refused():
-    state = zfunc.init(nn.Linear(3, 2), zfunc.Config(stage=0))
-    with pytest.raises(TypeError, match="does not depend on the model's trainable parameters"):
-        zfunc.backward_step(state, lambda m, x: m(x).detach().sum(), torch.ones(1, 3))
+        zfunc.backward_step(state, lambda m, x: m(x).value.sum(), torch.ones(1, 3))
     assert state.micro_step.item() == 0
 
 

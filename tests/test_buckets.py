@@ -8,6 +8,8 @@ plain ``loss.backward()``.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -128,3 +130,40 @@ def test_bucket_size_must_agree_across_ranks():
     # Different bucket plans would pair different collectives across ranks: refused at init.
     for message in run_ranks(_different_buckets, 2):
         assert message.startswith("bucket_mb: differs across ranks"), message
+
+
+class _WithEmpty(torch.nn.Module):
+    """A parameter of no elements between two others: it shares its flat offset with the next."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(5, 7)
+        self.empty = torch.nn.Parameter(torch.zeros(0))
+        self.b = torch.nn.Linear(7, 3)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x))) + self.empty.sum()
+
+
+def _empty_param(rank: int) -> float:
+    world = zfunc.comm.world().size
+    torch.manual_seed(0)
+    model = _WithEmpty()
+    ref = copy.deepcopy(model)
+    state = zfunc.init(model, _cfg(1))
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    for i in range(3):
+        xs = [torch.randn(4, 5, generator=torch.Generator().manual_seed(10 * i + r)) for r in range(world)]
+        state, _ = zfunc.backward_step(state, lambda m, x: m(x).pow(2).mean(), xs[rank])
+        state = zfunc.apply_step(state)
+        opt.zero_grad()
+        sum(ref(x).pow(2).mean() / world for x in xs).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+    full = zfunc.full_params(state)
+    return max((full[n] - p).abs().max().item() for n, p in ref.named_parameters() if p.numel())
+
+
+def test_a_parameter_of_no_elements_in_a_bucket():
+    for diff in run_ranks(_empty_param, 2):
+        assert diff <= TOL, diff

@@ -37,14 +37,12 @@ class _Scaled:
         return out
 
 
-def _torch_reference(name: str, world: int, *, schedule=None, bf16: bool = False,
-                     factor_on_loss: bool = False) -> nn.Module:
+def _torch_reference(name: str, world: int, *, schedule=None, bf16: bool = False) -> nn.Module:
     """Single-process torch.optim.AdamW with two groups, clipping, accumulation, on every rank's data.
 
     ``bf16``: mixed precision as zfunc's ``precision="bf16"`` defines it, written in plain torch:
     fp32 master weights (the optimizer's), a bf16 copy for forward and backward, the
-    ``1 / (world * grad_accum)`` factor on the output's cotangent (the engine's), or with
-    ``factor_on_loss`` on the fp32 loss (`zfunc.backward_step`'s), gradients summed in fp32.
+    ``1 / (world * grad_accum)`` factor on the output's cotangent, gradients summed in fp32.
     """
     make, loss_fn, batch_fn = MODELS[name]
     torch.manual_seed(0)
@@ -64,10 +62,7 @@ def _torch_reference(name: str, world: int, *, schedule=None, bf16: bool = False
             for mb in split(batch_fn(i, r, MICRO * GA), GA):
                 if bf16:
                     compute.zero_grad(set_to_none=True)
-                    if factor_on_loss:
-                        (loss_fn(compute, mb) * (1.0 / (world * GA))).backward()
-                    else:
-                        loss_fn(_Scaled(compute, 1.0 / (world * GA)), mb).backward()
+                    loss_fn(_Scaled(compute, 1.0 / (world * GA)), mb).backward()
                     for p, c in zip(model.parameters(), compute.parameters()):
                         if p.requires_grad:
                             p.grad += c.grad.float()
@@ -95,7 +90,7 @@ def _functional_nanogpt(rank: int, name: str, stage: int, precision: str = "fp32
         for g in range(state.hyper.lr.numel()):
             state = zfunc.set_hyperparams(state, g, lr=_lr(i))
         state = step(state, batch_fn(i, rank, MICRO * GA))
-    ref = _torch_reference(name, zfunc.comm.world().size, bf16=precision == "bf16", factor_on_loss=True)
+    ref = _torch_reference(name, zfunc.comm.world().size, bf16=precision == "bf16")
     return _diff(zfunc.full_params(state), ref)
 
 

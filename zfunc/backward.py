@@ -7,9 +7,7 @@ reduce-scattered shard at stages 2-3). So any way of running backward gives the 
 
 The loss scale and the ``1 / (grad_accum * world)`` factor are applied to the cotangent entering
 the model outputs (and removed again from the cotangent leaving the model inputs), so a
-non-scalar backward with a user-given gradient is scaled too, and models compose. `backward_step`
-holds its scalar loss, so it seeds backward with the factor instead (the same gradients, without
-a pass over each output's cotangent), except in fp16.
+non-scalar backward with a user-given gradient is scaled too, and models compose.
 
 Every way of adding a micro-batch ends in `record_micro`: the micro-step count, the loss sum
 (NaN for a micro-batch whose loss zfunc was not given) and the new buffers, in one place.
@@ -113,7 +111,7 @@ def _ends_step(state: TrainState) -> Fold | None:
 
 
 def bind(state: TrainState, sinks: Sequence[torch.Tensor], *, donate: bool = False,
-         fold: Fold | None = None, scale_outputs: bool = True) -> BoundModel:
+         fold: Fold | None = None) -> BoundModel:
     """The module as a function of its inputs on ``state``'s parameters, gradients to ``sinks``
     (reducing the accumulator in backward with ``fold``, `boundary_fold`).
 
@@ -121,16 +119,7 @@ def bind(state: TrainState, sinks: Sequence[torch.Tensor], *, donate: bool = Fal
     updated in place with ``donate``.
     """
     buffers = dict(state.buffers) if donate else {n: b.clone() for n, b in state.buffers.items()}
-    return state.binding.bind(state, sinks, buffers, fold, scale_outputs)
-
-
-def _seeds_backward(state: TrainState) -> bool:
-    """Whether `backward_step` puts the cotangent factor on the loss's own cotangent (one scalar)
-    instead of on the model's outputs (a pass over each, e.g. a language model's 32 MiB of
-    logits per micro-batch). Not when training in fp16: a loss scale of 2**16 and more is inf in
-    fp16, so there the factor meets the outputs' cotangents, which are small (and scaled in fp32)."""
-    cfg = state.cfg
-    return torch.float16 not in (cfg.compute_dtype, cfg.autocast)
+    return state.binding.bind(state, sinks, buffers, fold)
 
 
 def grad_views(state: TrainState, grads: torch.Tensor) -> list[torch.Tensor]:
@@ -198,19 +187,14 @@ def backward_step(state: TrainState, loss_fn: Callable[..., Any], batch: Any, *,
     check_room(state, "backward_step")
     fold = _ends_step(state)
     grads = accumulator(state.grads, donate)
-    seed = _seeds_backward(state)
-    model = bind(state, sinks_into(state, grads), donate=donate, fold=fold, scale_outputs=not seed)
+    model = bind(state, sinks_into(state, grads), donate=donate, fold=fold)
     out = loss_fn(model, batch)
     loss, aux = out if has_aux else (out, None)
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
         raise TypeError(f"loss_fn must return a scalar tensor{' first' if has_aux else ''}; "
                         f"got {type(loss).__name__}" + (f" of shape {list(loss.shape)}"
                                                         if isinstance(loss, torch.Tensor) else ""))
-    if not loss.requires_grad:
-        raise TypeError("loss_fn returned a loss that does not depend on the model's trainable parameters (it "
-                        "has no gradient); compute it from the outputs of the model loss_fn is given")
-    # Into `grads` through the sinks (plain backward: reentrant checkpointing works).
-    loss.backward(cotangent_factor(state).to(loss.dtype).reshape(loss.shape) if seed else None)
+    loss.backward()  # into `grads` through the sinks (plain backward: reentrant checkpointing works)
     loss = loss.detach().reshape(())
     new = record_micro(state, grads, loss=loss, buffers=model.buffers, fold=fold)
     return new, ((loss, aux) if has_aux else loss)

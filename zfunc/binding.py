@@ -226,9 +226,9 @@ class ModuleBinding:
         self._members = []
 
     def bind(self, state: TrainState, sinks: Sequence[torch.Tensor], buffers: dict[str, torch.Tensor],
-             fold: Fold | None = None, scale_outputs: bool = True) -> BoundModel:
+             fold: Fold | None = None) -> BoundModel:
         """The module as a function of its inputs on ``state``'s parameters and ``buffers``."""
-        return BoundModel(state, list(sinks), buffers, fold, scale_outputs)
+        return BoundModel(state, list(sinks), buffers, fold)
 
 
 class BoundModel:
@@ -238,14 +238,11 @@ class BoundModel:
     `zfunc.backward.sinks_into`). ``buffers`` (cloned by the caller unless donated) receive
     the buffers' new values, e.g. BatchNorm running statistics, for the state that follows.
     With ``fold`` (stages 0-1, the step's last micro-batch) backward reduces the accumulator.
-    Without ``scale_outputs`` the outputs do not carry the cotangent factor: the caller seeds
-    backward with it (`zfunc.backward_step`, whose loss is a scalar it holds).
     """
 
     def __init__(self, state: TrainState, sinks: list[torch.Tensor], buffers: dict[str, torch.Tensor],
-                 fold: Fold | None = None, scale_outputs: bool = True):
+                 fold: Fold | None = None):
         self.state, self.sinks, self.buffers, self.fold = state, sinks, buffers, fold
-        self.scale_outputs = scale_outputs
         self.gatherer: UnitGatherer | None = None  # stage 3, during a call
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -307,8 +304,6 @@ class BoundModel:
                 state.binding.unit_order = list(self.gatherer.order)  # the next forward's prefetch hint
         for name in self.buffers:  # a buffer the module reassigned (not updated in place)
             self.buffers[name] = tensors[name]
-        if not self.scale_outputs:
-            return out
         scaled, count = scale_tree(out, cotangent_factor(state))
         if count == 0 and torch.is_grad_enabled():
             raise TypeError(

@@ -162,12 +162,16 @@ class _Reducer:
         # Where owner r's piece sits in the buffer reduced into: the accumulator is a shard
         # (`Config.shards_grads`) or the full local gradient (a fold).
         self.shard = unit.shard if fold is None else 0
-        self.bucket_of = {s.offset: k for k, b in enumerate(buckets) for s in b.slots}
+        # Each parameter's tap key: its place in this list (offsets are not unique: a parameter
+        # of no elements shares its offset with the next).
+        self.slots = [(k, s) for k, b in enumerate(buckets) for s in b.slots]
         self._reset()
 
     def _reset(self) -> None:
         n = len(self.buckets)
-        self.missing = [{s.offset: s.numel for s in b.slots} for b in self.buckets]  # not arrived yet
+        self.missing: list[set[int]] = [set() for _ in self.buckets]  # tap keys not arrived yet
+        for j, (k, _) in enumerate(self.slots):
+            self.missing[k].add(j)
         self.opened = [False] * n
         self.folds = [False] * n  # the bucket's gradient goes into the accumulator, reduced there
         self.staged: list[torch.Tensor | None] = [None] * n  # else it is gathered here first
@@ -177,13 +181,13 @@ class _Reducer:
         self.out: torch.Tensor | None = None
         self.direct = False  # reducing into the accumulator (sink.grad) itself
 
-    def take(self, offset: int, grad: torch.Tensor) -> None:
-        """A parameter's gradient (the parameter at ``offset`` of the flat buffer) is complete."""
-        k = self.bucket_of[offset]
+    def take(self, j: int, grad: torch.Tensor) -> None:
+        """Parameter ``j``'s gradient (``self.slots[j]``) is complete."""
+        k, slot = self.slots[j]
         if not self.opened[k]:
             self._open(k)
-        self._place(k, offset, grad.reshape(-1))
-        del self.missing[k][offset]
+        self._place(k, slot.offset, grad.reshape(-1))
+        self.missing[k].discard(j)
         if not self.missing[k]:
             self.complete[k] = True
             while self.next < len(self.buckets) and self.complete[self.next]:
@@ -227,11 +231,12 @@ class _Reducer:
             self._open(k)
         staged = self.staged[k]
         if staged is not None:  # what no gradient reached adds zero (unused parameters, padding)
-            for offset, numel in self.missing[k].items():
-                staged.narrow(0, offset - b.start, numel).zero_()
+            for j in self.missing[k]:
+                slot = self.slots[j][1]
+                staged.narrow(0, slot.offset - b.start, slot.numel).zero_()
             end = b.slots[-1].offset + b.slots[-1].numel
             staged.narrow(0, end - b.start, b.stop - end).zero_()
-        self.missing[k] = {}
+        self.missing[k] = set()
         if self.folds[k]:
             self._fold(k)
         elif self.state.stage == 0:
@@ -243,7 +248,7 @@ class _Reducer:
 
     def _fold(self, k: int) -> None:
         """The bucket's first reduce at the boundary: local accumulator plus this gradient, reduced
-        in place (at stage 1 the pieces other ranks own are only read)."""
+        in place (at stage 1 the pieces other ranks own are sent, or scratch to the backend)."""
         b = self.buckets[k]
         if self.state.stage == 0:
             handles = [comm.all_reduce_start(self.out.narrow(0, b.start, b.stop - b.start), "sum", self.group)]
@@ -355,8 +360,8 @@ def bucket_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, .
     parameter is its own tap: no bucket-sized gradient is concatenated in backward."""
     reducer = _Reducer(state, buckets, pool, sink, fold)
     hub = Collect.apply(reducer, sink)
-    return {s.name: _Tap.apply(hub, state.compute.narrow(0, s.offset, s.numel), reducer.take, s.offset).view(s.shape)
-            for b in buckets for s in b.slots}
+    return {s.name: _Tap.apply(hub, state.compute.narrow(0, s.offset, s.numel), reducer.take, j).view(s.shape)
+            for j, (_, s) in enumerate(reducer.slots)}
 
 
 class _Sink(torch.autograd.Function):

@@ -190,11 +190,12 @@ def reduce_(x: torch.Tensor, dst: int, op: str = "sum", group: Group | None = No
             async_op: bool = False) -> Any:
     """Reduce ``x`` over the ranks into rank ``dst``'s ``x``, in place (a rank within ``group``).
 
-    On the other ranks ``x`` is only read (keep it unchanged until the handle is waited for).
-    Returns a handle whose ``wait()`` returns once the result is in place (at once without
-    ``async_op``). Where the group has a gloo twin (``group.p2p``) a sum is point-to-point: every
-    other rank sends its ``x`` to ``dst``, which adds them in rank order once they are in
-    (`_sum_to`).
+    Keep ``x`` unchanged until the handle is waited for; on the other ranks it is scratch
+    afterwards. Returns a handle whose ``wait()`` returns once the result is in place (at once
+    without ``async_op``). Where the group has a gloo twin (``group.p2p``) a sum of host tensors
+    is point-to-point: every other rank sends its ``x`` to ``dst`` (and it is left as it was),
+    which adds them in rank order once they are in (`_sum_to`); otherwise it is the backend's
+    reduce (gloo's uses ``x`` as scratch).
 
     Examples:
         >>> import torch, zfunc
@@ -205,7 +206,7 @@ def reduce_(x: torch.Tensor, dst: int, op: str = "sum", group: Group | None = No
     group = group or world()
     if group.size == 1:
         return _Done()
-    if op == "sum" and group.p2p is not None:
+    if op == "sum" and group.p2p is not None and x.device.type == "cpu":
         handle = _sum_to(x, dst, group, lambda parts: _add_all(x, parts))
     else:
         handle = dist.reduce(x, _global(group, dst), op=_op(op), group=group.pg, async_op=True)
@@ -299,8 +300,9 @@ def reduce_scatter_start(x: torch.Tensor, op: str = "sum", group: Group | None =
     """`reduce_scatter` started asynchronously: ``(out, handle)``, ``out`` valid after
     ``handle.wait()``; ``x`` is only read (keep it unchanged until then).
 
-    With ``group.p2p`` (gloo) a sum is a direct exchange: each rank sends slice ``r`` of its
-    ``x`` to rank ``r`` and adds what it receives to its own slice in rank order (`_sum_to`).
+    With ``group.p2p`` (gloo) a sum of host tensors is a direct exchange: each rank sends slice
+    ``r`` of its ``x`` to rank ``r`` and adds what it receives to its own slice in rank order
+    (`_sum_to`).
     Without it, on gloo, one reduce per slice (on a copy of ``x``: gloo's reduce uses its input
     as scratch); otherwise (NCCL) the backend's reduce-scatter.
 
@@ -315,7 +317,7 @@ def reduce_scatter_start(x: torch.Tensor, op: str = "sum", group: Group | None =
     n = _slice_len(x, group, "reduce_scatter")
     if group.size == 1:
         return x, _Done()
-    if op != "sum" or group.p2p is None:
+    if op != "sum" or group.p2p is None or x.device.type != "cpu":
         if dist.get_backend(group.pg) == "gloo":  # gloo's reduces, a few in flight: faster than its reduce-scatter
             out = x.clone()
             works = [reduce_(out.narrow(0, r * n + i, min(_CHUNK, n - i)), r, op, group, async_op=True)
