@@ -12,6 +12,7 @@ node; only one all-reduce of a shard per step crosses nodes.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 from typing import Any
 
@@ -23,6 +24,10 @@ from zfunc.errors import ConfigError
 __all__ = ["Mesh", "make_mesh", "shard_ranks"]
 
 _CACHE: dict[tuple[Any, ...], tuple[Any, Mesh]] = {}  # by world: (the default group, its mesh)
+# The process groups a cached mesh made are let go of before the interpreter tears down: a gloo
+# group destroyed that late (after `destroy_process_group`, during module cleanup) can abort the
+# process on its way out ("terminate called without an active exception", about 1 run in 12).
+atexit.register(_CACHE.clear)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
