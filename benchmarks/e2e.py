@@ -10,7 +10,11 @@ Contenders (``--only`` picks a comma-separated subset):
 
 * ``ddp``    DistributedDataParallel + torch.optim.AdamW (fused=True where it runs, else foreach)
 * ``fsdp2``  torch.distributed.fsdp.fully_shard per block + root, + AdamW
-* ``zero0`` .. ``zero3``  zfunc ZeRO stage 0..3 (stage 3 gathers one unit per transformer block)
+* ``zero0`` .. ``zero3``  zfunc ZeRO stage 0..3 with one unit per transformer block
+  (``Config(units=[Block])``): stage 3 gathers them one by one; stages 1-2 overlap the step's
+  all-gather with the next forward unit by unit (`zfunc.regather`)
+* ``atonce1``, ``atonce2``  zfunc ZeRO-1/2 without units: the all-gather done before
+  ``apply_step`` returns (DeepSpeed's way), the A/B of the overlap
 * ``noprefetch3``  zfunc ZeRO-3 with ``prefetch=0`` (each unit gathered when its module starts), to
   measure what the prefetch buys
 * ``gloored1`` .. ``gloored3``  zfunc ZeRO-1..3 with gloo's own reduces instead of the
@@ -59,6 +63,9 @@ at DeepSpeed's default sizes, included), plus the module's parameters and gradie
 bf16: zfunc runs ``precision="bf16"`` (bf16 compute copy, fp32 masters, moments and gradient
 accumulator); DDP runs its forward under ``torch.autocast("cpu", torch.bfloat16)`` with fp32
 parameters; FSDP2 uses ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``.
+DeepSpeed's bf16 accumulates and reduces gradients in bf16 (its ``grad_accum_dtype`` and
+``communication_data_type`` default to the model's dtype); ``lowgrad1``-``lowgrad3`` are zfunc's
+stages with those dtypes (``Config(grad_accum_dtype=bf16, comm_dtype=bf16)``), the same work.
 """
 
 from __future__ import annotations
@@ -89,7 +96,8 @@ MICRO_BATCH = 8
 WORLD = 2
 LR, WD, CLIP = 1e-3, 0.01, 1.0
 CONTENDERS = ["ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3", "noprefetch3", "atstep0", "atstep1", "gloored1",
-              "gloored2", "gloored3", "engine2", "offload1", "offload2", "offload3", "ds1", "ds2", "ds3"]
+              "gloored2", "gloored3", "atonce1", "atonce2", "lowgrad1", "lowgrad2", "lowgrad3", "engine2", "offload1",
+              "offload2", "offload3", "ds1", "ds2", "ds3"]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -227,13 +235,15 @@ def _setup_fsdp2(precision: str, accum: int):
 
 
 def _setup_zfunc(stage: int, precision: str, accum: int, offload: str | None = None, prefetch: int = 1,
-                 fold: bool = True, p2p: bool = True):
+                 fold: bool = True, p2p: bool = True, low_grads: bool = False, units: bool = True):
     import zfunc.backward
     from zfunc.models.gpt import Block
     model = _build_model()
     cfg = zfunc.Config(stage=stage, precision=precision, clip=CLIP, grad_accum=accum, offload_optimizer=offload,
                        optimizer=zfunc.adamw(lr=LR, weight_decay=WD), prefetch=prefetch,
-                       units=(Block,) if stage == 3 else None)
+                       units=(Block,) if stage >= 1 and units else None)
+    if low_grads:  # DeepSpeed's bf16 defaults: gradients accumulated and reduced in the model's dtype
+        cfg = dataclasses.replace(cfg, grad_accum_dtype=cfg.compute_dtype, comm_dtype=cfg.compute_dtype)
     box = {"state": zfunc.init(model, cfg, donate=True)}  # the module runs only through zfunc
     if not p2p:  # this state's shard group without its point-to-point twin: gloo's reduces
         mesh = box["state"].mesh
@@ -372,6 +382,10 @@ def _setup(name: str, precision: str, accum: int):
         return _setup_zfunc(int(name[6:]), precision, accum, fold=False)
     if name.startswith("gloored"):
         return _setup_zfunc(int(name[7:]), precision, accum, p2p=False)
+    if name.startswith("atonce"):
+        return _setup_zfunc(int(name[6:]), precision, accum, units=False)
+    if name.startswith("lowgrad"):
+        return _setup_zfunc(int(name[7:]), precision, accum, low_grads=True)
     raise ValueError(f"unknown contender {name!r}; expected one of {CONTENDERS}")
 
 
@@ -505,7 +519,8 @@ def _pairs(names: list[str]) -> list[tuple[str, str]]:
     """The comparisons the goals name, and each A/B contender against its zfunc stage."""
     out = [(f"zero{k}", f"ds{k}") for k in (1, 2, 3)]
     out += [("zero1", "ddp"), ("zero2", "ddp"), ("zero3", "fsdp2"), ("zero0", "ddp"), ("zero3", "noprefetch3")]
-    out += [(f"zero{k}", f"{ab}{k}") for ab in ("atstep", "gloored") for k in (0, 1, 2, 3)]
+    out += [(f"zero{k}", f"{ab}{k}") for ab in ("atstep", "gloored", "atonce") for k in (0, 1, 2, 3)]
+    out += [(f"lowgrad{k}", f"ds{k}") for k in (1, 2, 3)]
     return [(a, b) for a, b in out if a in names and b in names]
 
 

@@ -283,7 +283,8 @@ def test_init_leaves_the_module_usable(stage):
     model = _stack()
     x = torch.randn(2, 4)
     expected = model(x).detach()
-    cfg = zfunc.Config(stage=stage, units=["0", "2"], persist_threshold=0, optimizer=zfunc.adamw(lr=0.1))
+    cfg = zfunc.Config(stage=stage, units=["0", "2"] if stage else None, persist_threshold=0,
+                       optimizer=zfunc.adamw(lr=0.1))
     first = zfunc.init(model, cfg)
     first, _ = zfunc.backward_step(first, _loss_fn, x)
     first = zfunc.apply_step(first)

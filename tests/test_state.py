@@ -41,7 +41,8 @@ def test_pure_without_donation_identical_with_it():
 def _memory(rank: int, stage: int) -> tuple[dict, int, int, dict, dict, dict]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(30, 31), torch.nn.Linear(31, 5))  # 1121 params
-    cfg = zfunc.Config(stage=stage, persist_threshold=0, units=["0", "1"], grad_accum=2)  # stage 1: full grads
+    cfg = zfunc.Config(stage=stage, persist_threshold=0, units=["0", "1"] if stage else None,
+                       grad_accum=2)  # stage 1: full grads
     plan = zfunc.memory_plan(model, cfg, zfunc.comm.world().size)
     bf16 = cfg.replace(precision="bf16", master_dtype=torch.bfloat16, moment_dtype=torch.bfloat16)
     bf16_plan = zfunc.memory_plan(model, bf16, zfunc.comm.world().size)

@@ -2,7 +2,8 @@
 
 A `ModuleBinding` is made once per (module, layout) by `zfunc.init` and is static metadata of
 the state. It owns everything zfunc adds to the user's module: at stage 3 a forward pre-hook and
-post-hook on each unit module (they gather the unit for the call that runs it), and, when the
+post-hook on each unit module (they gather the unit for the call that runs it; at stages 1-2 with
+`Config.units` they wait for the unit's all-gather, `zfunc.regather`), and, when the
 module was donated (``init(..., donate=True)``), a guard that refuses direct calls. Its
 `ModuleBinding.remove` takes all of it away again. Per-call context (which state, which sinks)
 travels in a context variable, never in attributes of the user's modules or tensors.
@@ -30,6 +31,7 @@ from zfunc.cotangent import scale_tree
 from zfunc.gather import UnitGatherer, check_same_units
 from zfunc.gather import in_backward as _in_backward
 from zfunc.layout import Layout
+from zfunc.regather import ROOT, GatherPlan, Unbound, UnitViews, plan_gathers
 
 if TYPE_CHECKING:
     from zfunc.state import TrainState
@@ -59,7 +61,9 @@ class ModuleBinding:
     Args:
         module: the user's module.
         layout: the state's `zfunc.layout.Layout`.
-        stage: the ZeRO stage (hooks are installed at stage 3 only).
+        stage: the ZeRO stage (hooks are installed at stage 3, and at stages 1-2 for ``units``).
+        units: stages 1-2: ``(module name, parameter names)`` of each unit whose all-gather the
+            next forward waits for when the module starts (`zfunc.regather`); empty: none.
 
     Examples:
         >>> import torch, zfunc
@@ -72,20 +76,27 @@ class ModuleBinding:
         (0, torch.Size([1, 1]))
     """
 
-    def __init__(self, module: torch.nn.Module, layout: Layout, stage: int):
+    def __init__(self, module: torch.nn.Module, layout: Layout, stage: int,
+                 units: Sequence[tuple[str, Sequence[str]]] = ()):
         self.module, self.layout, self.stage = module, layout, stage
         self.donated = False
         self._handles: list[RemovableHandle] = []
-        self._latest: weakref.ref[UnitGatherer] | None = None
+        self._latest: weakref.ref[UnitGatherer | UnitViews] | None = None
         self.unit_order: list[int] = []  # stage 3: the units the last forward ran, in order
         self._members: list[Any] = []  # set by `route`
         self._frames: list[Any] = []
-        # Stage-3 unit parameters by name, so the enclosing functional_call restores them.
+        # Unit parameters by name as the module holds them outside their unit's forward
+        # (placeholders that refuse to compute), so the enclosing functional_call restores them.
         self.unit_params: dict[str, torch.Tensor] = {}
         self._buckets: tuple[Bucket, ...] | None = None
         self._pool: ShardPool | None = None  # the bucket reducer's result buffers, with the buckets
+        self.gather_plan: GatherPlan | None = None  # stages 1-2 with units
         if stage == 3:
-            self._install_unit_hooks()
+            self._install_unit_hooks([(i, u.name, [s.name for s in u.slots]) for i, u in enumerate(layout.units)
+                                      if u.name != "root"])
+        elif units:
+            self.gather_plan = plan_gathers(layout, [names for _, names in units])
+            self._install_unit_hooks([(i, name, names) for i, (name, names) in enumerate(units)])
 
     def buckets(self, state: TrainState) -> tuple[Bucket, ...]:
         """The gradient buckets of stages 0-2 (`zfunc.buckets`), planned on first use."""
@@ -96,26 +107,25 @@ class ModuleBinding:
             self._pool = ShardPool(self.layout.units[0].shard, cfg.reduce_dtype, state.device)
         return self._buckets
 
-    def _install_unit_hooks(self) -> None:
+    def _install_unit_hooks(self, units: list[tuple[int, str, list[str]]]) -> None:
+        """A pre-hook and a post-hook on each unit module ``(index, module name, parameter names)``."""
         modules = dict(self.module.named_modules())
         named = dict(self.module.named_parameters())
-        for i, unit in enumerate(self.layout.units):
-            if unit.name == "root":
-                continue
+        for i, mname, names in units:
             slots = []
-            for s in unit.slots:
-                parent, _, attr = s.name.rpartition(".")
-                slots.append((s, modules[parent], attr))
-                self.unit_params[s.name] = named[s.name]
-            mod = modules[unit.name]
+            for n in names:
+                parent, _, attr = n.rpartition(".")
+                slots.append((n, modules[parent], attr))
+                self.unit_params[n] = Unbound(named[n], n, mname)
+            mod = modules[mname]
             self._handles.append(mod.register_forward_pre_hook(self._enter_hook(i, slots)))
             self._handles.append(mod.register_forward_hook(self._leave_hook(i)))
 
-    def _call(self) -> UnitGatherer | None:
-        """The stage-3 call of this binding that a unit module running now belongs to."""
+    def _call(self) -> UnitGatherer | UnitViews | None:
+        """The units of the call of this binding that a unit module running now belongs to."""
         call = _CURRENT.get()
         if call is not None:
-            return call.gatherer if call.state.binding is self else None
+            return call.units if call.state.binding is self else None
         if self._latest is not None and _in_backward():
             return self._latest()
         return None
@@ -244,6 +254,7 @@ class BoundModel:
                  fold: Fold | None = None):
         self.state, self.sinks, self.buffers, self.fold = state, sinks, buffers, fold
         self.gatherer: UnitGatherer | None = None  # stage 3, during a call
+        self.units: UnitGatherer | UnitViews | None = None  # what the unit modules' hooks bind
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         tensors, args, kwargs, contexts = self.prepare(args, kwargs)
@@ -270,18 +281,24 @@ class BoundModel:
         tensors = {**binding.unit_params, **state.frozen, **self.buffers}
         if state.stage == 3:  # the root unit now; the others when their modules run
             hint = binding.unit_order or [i for i, u in enumerate(lay.units) if u.name != "root"]
-            self.gatherer = gatherer = UnitGatherer(state, self.sinks, hint)
+            self.units = self.gatherer = gatherer = UnitGatherer(state, self.sinks, hint)
             tensors.update(gatherer.root_views())
             contexts: list[Any] = [gatherer.saved_tensor_hooks()]
             binding._latest = weakref.ref(gatherer)
         else:
             if self.fold is not None:  # stages 0-1, the step's last micro-batch: reduced in backward
-                tensors.update(bucket_views(state, self.sinks[0], binding.buckets(state), binding._pool,
-                                            self.fold))
+                views = bucket_views(state, self.sinks[0], binding.buckets(state), binding._pool, self.fold)
             elif cfg.shards_grads and state.mesh.shard.size > 1:  # reduce-scattered bucket by bucket
-                tensors.update(bucket_views(state, self.sinks[0], binding.buckets(state), binding._pool))
+                views = bucket_views(state, self.sinks[0], binding.buckets(state), binding._pool)
             else:  # each gradient added into the local accumulator (a shard of one rank is all of it)
-                tensors.update(local_views(state, self.sinks[0]))
+                views = local_views(state, self.sinks[0])
+            if binding.gather_plan is not None:  # stages 1-2 with units: bound as their modules run
+                pending = state.gathering
+                if pending is not None:
+                    pending.wait(ROOT)
+                self.units = UnitViews({n: views.pop(n) for n in binding.unit_params}, pending)
+                binding._latest = weakref.ref(self.units)
+            tensors.update(views)
             contexts = []
         if cfg.autocast is None and cfg.compute_dtype != torch.float32:
             # Like FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True): a low-precision model

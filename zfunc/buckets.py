@@ -41,6 +41,7 @@ import torch
 
 from zfunc import comm
 from zfunc.layout import Layout, Slot
+from zfunc.state import raw_compute
 from zfunc.widen import add_into, copy_into
 
 if TYPE_CHECKING:
@@ -360,7 +361,8 @@ def bucket_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, .
     parameter is its own tap: no bucket-sized gradient is concatenated in backward."""
     reducer = _Reducer(state, buckets, pool, sink, fold)
     hub = Collect.apply(reducer, sink)
-    return {s.name: _Tap.apply(hub, state.compute.narrow(0, s.offset, s.numel), reducer.take, j).view(s.shape)
+    compute = raw_compute(state)  # forward waits for a pending all-gather before it reads (zfunc.regather)
+    return {s.name: _Tap.apply(hub, compute.narrow(0, s.offset, s.numel), reducer.take, j).view(s.shape)
             for j, (_, s) in enumerate(reducer.slots)}
 
 
@@ -391,5 +393,6 @@ def local_views(state: TrainState, sink: torch.Tensor) -> dict[str, torch.Tensor
     def add(start: int, grad: torch.Tensor) -> None:
         add_into(sink.grad.narrow(0, start, grad.numel()), grad.reshape(-1))
 
-    return {s.name: _Tap.apply(hub, state.compute.narrow(0, s.offset, s.numel), add, s.offset).view(s.shape)
+    compute = raw_compute(state)  # as in `bucket_views`
+    return {s.name: _Tap.apply(hub, compute.narrow(0, s.offset, s.numel), add, s.offset).view(s.shape)
             for s in unit.slots}

@@ -24,7 +24,7 @@ from zfunc.widen import widened
 
 __all__ = ["Group", "world", "all_reduce", "reduce_scatter", "all_gather", "broadcast",
            "all_gather_object", "unit_params", "all_reduce_start", "reduce_", "reduce_scatter_",
-           "reduce_scatter_start", "all_gather_start"]
+           "reduce_scatter_start", "all_gather_start", "all_gather_range_start"]
 
 _OPS = {"sum": "SUM", "avg": "AVG", "max": "MAX", "min": "MIN"}
 
@@ -395,6 +395,28 @@ def all_gather_into(out: torch.Tensor, x: torch.Tensor, group: Group) -> torch.T
         return out
     _all_gather_flat(out, x.reshape(-1).contiguous(), group=group.pg)
     return out
+
+
+def all_gather_range_start(out: torch.Tensor, start: int, stop: int, shard: int, group: Group) -> Any:
+    """Fill ``out[start:stop]`` in place from the ranks that own it, asynchronously: rank ``r``
+    owns ``out[r * shard:(r + 1) * shard]`` and holds its part already. One broadcast per rank
+    owning part of the range (an all-gather of one range of the flat buffer). Returns a handle;
+    ``out[start:stop]`` is complete once it is waited for.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> out = torch.arange(6.0)
+        >>> zfunc.comm.all_gather_range_start(out, 1, 4, 3, zfunc.comm.world()).wait(), out.tolist()
+        (True, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0])
+    """
+    if group.size == 1:
+        return _Done()
+    works = []
+    for r in range(group.size):
+        lo, hi = max(start, r * shard), min(stop, (r + 1) * shard)
+        if lo < hi:
+            works.append(dist.broadcast(out.narrow(0, lo, hi - lo), _global(group, r), group=group.pg, async_op=True))
+    return _Works(works)
 
 
 def broadcast(x: torch.Tensor, src: int = 0, group: Group | None = None) -> torch.Tensor:

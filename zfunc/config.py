@@ -45,7 +45,11 @@ class Config:
         autocast: a dtype to run forward under `torch.autocast`, or ``None``.
         lr_schedule: callable ``step -> lr`` (see `zfunc.schedules`), or ``None`` for a constant.
         units: stage 3: module names or classes gathered as one unit each (default: the
-            elements of the model's ``nn.ModuleList``s, e.g. its transformer blocks).
+            elements of the model's ``nn.ModuleList``s, e.g. its transformer blocks). Stages
+            1-2: given, the step's all-gather of the updated parameters runs unit by unit and
+            overlaps the next forward, each unit waited for when its module starts
+            (`zfunc.regather`); a unit's parameters must then be used inside its module's forward
+            only, as at stage 3. ``None`` at stages 1-2: gathered before `zfunc.apply_step` returns.
         param_groups: `zfunc.ParamGroup`s giving some parameters their own learning rate, weight
             decay, betas or eps (group ``i + 1``; parameters in none are group 0, the
             optimizer's own).
@@ -153,6 +157,9 @@ class Config:
         check(isinstance(self.freeze, (list, tuple, set, frozenset)) and all(isinstance(n, str) for n in self.freeze),
               "freeze", "a list of parameter names", self.freeze)
         object.__setattr__(self, "freeze", tuple(self.freeze))
+        if self.units is not None and self.stage == 0:
+            raise ConfigError("units: stage 0 gathers nothing (every rank holds all parameters); leave units "
+                              "unset, or use stage 1, 2 or 3")
         if self.offload_optimizer is not None and self.stage == 0:
             raise ConfigError("offload_optimizer: needs stage 1, 2 or 3 (stage 0 keeps the whole optimizer state "
                               "on every rank; shard it first, then offload the shard)")

@@ -117,6 +117,16 @@ def units_of(model: torch.nn.Module, cfg: Config,
     return list(groups.values()), list(groups)
 
 
+def _gathered_units(model: torch.nn.Module, cfg: Config,
+                    trainable: dict[str, torch.Tensor]) -> list[tuple[str, list[str]]]:
+    """Stages 1-2 with ``Config.units``: each unit's ``(module name, parameter names)``, chosen as
+    stage 3 chooses them (a parameter shared with the rest of the model stays outside)."""
+    if cfg.stage not in (1, 2) or cfg.units is None:
+        return []
+    groups, names = units_of(model, cfg.replace(stage=3, persist_threshold=0), trainable)
+    return [(name, [n for n, _, _ in g]) for g, name in zip(groups, names) if name != "root"]
+
+
 def group_hyper(cfg: Config) -> GroupHyper:
     """The hyperparameters of the optimizer (group 0) and of each `zfunc.ParamGroup`, on the host.
 
@@ -248,7 +258,7 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
         return torch.tensor(v, dtype=dtype, device=device)
 
     scaler = scaler_init(cfg, device)
-    binding = ModuleBinding(model, layout, cfg.stage)
+    binding = ModuleBinding(model, layout, cfg.stage, _gathered_units(model, cfg, trainable))
     if donate:
         binding.donate()
     state = TrainState(

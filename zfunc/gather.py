@@ -252,7 +252,7 @@ class UnitGatherer:
             self._prefetch(self.hint[:self.depth])
         return views
 
-    def enter(self, i: int, slots: list[tuple[Any, torch.nn.Module, str]]) -> None:
+    def enter(self, i: int, slots: list[tuple[str, torch.nn.Module, str]]) -> None:
         """Unit ``i``'s module starts: its parameters become views of the gathered unit."""
         full = self.gather(i)
         self.entry[i] = len(self.order)
@@ -268,8 +268,8 @@ class UnitGatherer:
         # (functional_call does it for the whole call, through the same dict): these entries
         # are restored by `leave`, and by the enclosing functional_call if forward raises.
         self.swapped[i] = [(owner, attr, owner._parameters[attr]) for _, owner, attr in slots]
-        for s, owner, attr in slots:
-            owner._parameters[attr] = views[s.name]
+        for name, owner, attr in slots:
+            owner._parameters[attr] = views[name]
 
     def leave(self, i: int) -> None:
         """Unit ``i``'s module is done: release the gathered buffer (autograd keeps recipes)."""

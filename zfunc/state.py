@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from zfunc.scaler import ScalerState
 
 __all__ = ["TrainState", "AdamState", "SGDState", "LionState", "AdagradState", "GroupHyper", "Metrics",
-           "released_grads", "is_released", "accumulator", "accumulator_numel"]
+           "released_grads", "is_released", "accumulator", "accumulator_numel", "raw_compute"]
 
 
 def released_grads(numel: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -197,6 +197,9 @@ class TrainState:
             the all-reduced sum at stage 0): the step's last micro-batch reduced it during its
             backward (`zfunc.buckets.Fold`), so `zfunc.apply_step` does not reduce again. Host
             metadata, False except between that micro-batch and the step.
+        gathering: stages 1-2 with ``Config.units``: the all-gather of ``compute`` that
+            `zfunc.apply_step` started and the next forward waits for unit by unit
+            (`zfunc.regather.Gathering`); reading ``compute`` waits for all of it. Host metadata.
         opt: the optimizer's state record (`AdamState`, `SGDState`, `LionState`,
             `AdagradState`), its slots shaped like ``params``.
         hyper: `GroupHyper`: each parameter group's learning rate, weight decay, betas, eps.
@@ -243,9 +246,21 @@ class TrainState:
     layout: Layout = field(pytree_node=False)
     mesh: Mesh = field(pytree_node=False)
     reduced: bool = field(pytree_node=False, default=False)
+    gathering: Any = field(pytree_node=False, default=None)
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "compute":  # never a buffer an all-gather is still writing (`zfunc.regather`)
+            pending = object.__getattribute__(self, "gathering")
+            if pending is not None:
+                pending.wait_all()
+        return object.__getattribute__(self, name)
 
     def replace(self, **changes: Any) -> TrainState:
         """A new state with ``changes``; the tensors not named are shared, not copied."""
+        if "compute" in changes:  # a new buffer: the pending gathers were into the old one
+            changes.setdefault("gathering", None)
+        else:  # the same buffer, its gathers still pending: nothing waits for them here
+            changes["compute"] = raw_compute(self)
         return dataclasses.replace(self, **changes)
 
     @property
@@ -265,4 +280,10 @@ class TrainState:
     @property
     def device(self) -> torch.device:
         """The compute device (the master weights are on the host with ``Config.offload_optimizer``)."""
-        return self.compute.device
+        return raw_compute(self).device
+
+
+def raw_compute(state: TrainState) -> torch.Tensor:
+    """``state.compute`` without waiting for its pending all-gather (`zfunc.regather`): for views
+    that forward reads only after waiting for their piece."""
+    return object.__getattribute__(state, "compute")

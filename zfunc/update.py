@@ -10,7 +10,8 @@ The one optimizer step of every stage, written so the algorithm reads plainly:
 4. update: one fused pass unscales, clips, skips on overflow, applies Adam/AdamW and writes the
    compute-dtype copy; with ``Config.offload_optimizer`` the gradient shard goes to the host,
    the pass runs there on the host arena, and the new compute-dtype shard comes back;
-5. gather the updated compute parameters (stages 1-2);
+5. gather the updated compute parameters (stages 1-2; with ``Config.units`` started here and
+   waited for unit by unit by the next forward, `zfunc.regather`);
 6. give every rank rank 0's buffers (BatchNorm statistics), as DDP's ``broadcast_buffers`` does.
 
 Nothing here reads a device value on the host, except under offload on a GPU (the host pass needs
@@ -26,6 +27,7 @@ import torch
 import zfunc_kernels
 from zfunc import comm
 from zfunc.layout import master_view
+from zfunc.regather import start_gathers
 from zfunc.scaler import scaler_update
 from zfunc.state import (GroupHyper, Metrics, TrainState, accumulator, accumulator_numel, is_released,
                          released_grads)
@@ -246,9 +248,15 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
 
     if compute_out is not target:  # the updated compute-dtype shard back to the device
         target.copy_(compute_out, non_blocking=compute_out.is_pinned())
-    # Gather the updated compute parameters where forward reads them in full.
+    # Gather the updated compute parameters where forward reads them in full: with units, piece
+    # by piece, waited for by the next forward (zfunc.regather); else before returning.
+    gathering = None
     if state.stage in (1, 2):
-        comm.all_gather_into(compute, master_view(compute, lay, state.stage), state.mesh.shard)  # in place
+        plan = state.binding.gather_plan
+        if plan is not None and state.mesh.shard.size > 1:
+            gathering = start_gathers(plan, compute, lay.units[0].shard, state.mesh.shard)
+        else:
+            comm.all_gather_into(compute, master_view(compute, lay, state.stage), state.mesh.shard)  # in place
 
     # Until the next micro-batch (sized by the config: a reduced stage-1 gradient is a shard).
     grads = released_grads(accumulator_numel(cfg, lay), state.grads.dtype, state.device)
@@ -260,7 +268,7 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
                          opt=opt.state_class(**dict(zip(opt.slots, slots)), count=count), scaler=scaler,
                          step=state.step + 1,
                          micro_step=torch.zeros_like(state.micro_step), loss_sum=torch.zeros_like(state.loss_sum),
-                         metrics=metrics, reduced=False)
+                         metrics=metrics, reduced=False, gathering=gathering)
 
 
 def _clone(t: torch.Tensor) -> torch.Tensor:
