@@ -132,7 +132,7 @@ class _Peek(nn.Module):
         self.b = nn.Linear(3, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(self.a(x) + self.a.bias)  # a's bias read outside a's forward
+        return self.b(self.a(x + self.a.bias))  # a's bias read before a's forward
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -148,3 +148,54 @@ def test_a_unit_parameter_used_outside_its_module_fails_loudly(stage):
 def test_units_at_stage_0_are_refused():
     with pytest.raises(zfunc.ConfigError, match="units: stage 0 gathers nothing"):
         zfunc.Config(stage=0, units=["a"])
+
+
+class _Tied(nn.Module):
+    """A unit holding a weight under two names, and a root that reads a unit's metadata (never its
+    values) before the unit runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.u = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        self.u[2].weight = self.u[0].weight
+        self.v = nn.Linear(4, 3)
+        self.seen: list[str] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.u[0].weight
+        self.seen.append(f"{tuple(w.shape)} {w.dtype} {w.numel()} {w.is_floating_point()} {w.requires_grad}")
+        return self.v(self.u(x.type_as(w)))
+
+
+def _tied(rank: int, stage: int, units: list[str] | None, remove: bool) -> tuple[list, list[str], list[float]]:
+    torch.manual_seed(0)
+    model = _Tied()
+    read: list[float] = []
+    # A hook of the user's registered before init, and one after: both read a unit's values.
+    model.v.register_forward_pre_hook(lambda m, a: read.append(float(m.weight.sum())))
+    state = zfunc.init(model, zfunc.Config(stage=stage, units=units, persist_threshold=0,
+                                           optimizer=zfunc.adamw(lr=0.1)))
+    if stage < 3:  # at stage 3 a unit is released when its module returns
+        model.u.register_forward_hook(lambda m, a, out: read.append(float(m[0].weight.sum())))
+    if remove:
+        state.binding.remove()
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    for _ in range(3):
+        state, _ = zfunc.backward_step(state, lambda m, x: m(x).square().mean(), x, donate=True)
+        state = zfunc.apply_step(state, donate=True)
+        zfunc.tree.map(torch.add, state, state.replace(gathering=None))  # gathering or not: one structure
+    return snapshot(state), model.seen[:1], read
+
+
+def test_tied_weights_hooks_metadata_and_remove_with_units():
+    for world in (2, 3):
+        for stage in (1, 2, 3):
+            units = ["u", "v"]
+            plain = run_ranks(_tied, world, stage, None if stage < 3 else units, False)
+            for remove in (False, True) if stage < 3 else (False,):  # stage 3 needs its hooks
+                for rank, ((a, seen_a, read_a), (b, seen_b, read_b)) in enumerate(
+                        zip(plain, run_ranks(_tied, world, stage, units, remove))):
+                    where = f"stage {stage} world {world} rank {rank} remove {remove}"
+                    assert seen_b == seen_a == ["(4, 4) torch.float32 16 True True"], where
+                    assert len(read_b) == (3 if stage == 3 else 6), where
+                    assert bitwise_equal(a, b) and read_a == read_b, where  # as without units (stage 3: with)

@@ -108,18 +108,26 @@ class ModuleBinding:
         return self._buckets
 
     def _install_unit_hooks(self, units: list[tuple[int, str, list[str]]]) -> None:
-        """A pre-hook and a post-hook on each unit module ``(index, module name, parameter names)``."""
-        modules = dict(self.module.named_modules())
+        """A pre-hook and a post-hook on each unit module ``(index, module name, parameter names)``.
+
+        The pre-hook runs before any hook of the user's (a weight-norm hook reads the unit's
+        parameters); a weight tied inside the unit is bound under every name it has."""
+        modules = dict(self.module.named_modules(remove_duplicate=False))
         named = dict(self.module.named_parameters())
+        canon = {id(p): n for n, p in named.items()}
+        aliases: dict[str, list[str]] = {}
+        for n, p in self.module.named_parameters(remove_duplicate=False):
+            aliases.setdefault(canon[id(p)], []).append(n)
         for i, mname, names in units:
             slots = []
             for n in names:
-                parent, _, attr = n.rpartition(".")
-                slots.append((n, modules[parent], attr))
+                for a in aliases[n]:
+                    parent, _, attr = a.rpartition(".")
+                    slots.append((n, modules[parent], attr))
                 self.unit_params[n] = Unbound(named[n], n, mname)
             mod = modules[mname]
-            self._handles.append(mod.register_forward_pre_hook(self._enter_hook(i, slots)))
-            self._handles.append(mod.register_forward_hook(self._leave_hook(i)))
+            self._handles.append(mod.register_forward_pre_hook(self._enter_hook(i, slots), prepend=True))
+            self._handles.append(mod.register_forward_hook(self._leave_hook(i), always_call=True))
 
     def _call(self) -> UnitGatherer | UnitViews | None:
         """The units of the call of this binding that a unit module running now belongs to."""
@@ -234,6 +242,7 @@ class ModuleBinding:
         self._handles.clear()
         self.unit_params = {}
         self._members = []
+        self.gather_plan = None  # no hook waits for a unit now: apply_step gathers before returning
 
     def bind(self, state: TrainState, sinks: Sequence[torch.Tensor], buffers: dict[str, torch.Tensor],
              fold: Fold | None = None) -> BoundModel:
@@ -292,12 +301,14 @@ class BoundModel:
                 views = bucket_views(state, self.sinks[0], binding.buckets(state), binding._pool)
             else:  # each gradient added into the local accumulator (a shard of one rank is all of it)
                 views = local_views(state, self.sinks[0])
+            pending = state.gathering
             if binding.gather_plan is not None:  # stages 1-2 with units: bound as their modules run
-                pending = state.gathering
                 if pending is not None:
                     pending.wait(ROOT)
                 self.units = UnitViews({n: views.pop(n) for n in binding.unit_params}, pending)
                 binding._latest = weakref.ref(self.units)
+            elif pending is not None:  # the hooks that would wait are gone (`ModuleBinding.remove`)
+                pending.wait_all()
             tensors.update(views)
             contexts = []
         if cfg.autocast is None and cfg.compute_dtype != torch.float32:

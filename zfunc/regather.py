@@ -11,8 +11,9 @@ gathers each module's parameters in its forward the same way).
 
 Nothing reads a parameter before its piece is in:
 
-- the state's ``compute`` (attribute access, pytree flattening, a checkpoint, `zfunc.full_params`,
-  the next `zfunc.apply_step`) waits for every piece first (`zfunc.state.TrainState`);
+- reading the state's ``compute`` (attribute access, pytree flattening, `zfunc.memory_report`,
+  the next `zfunc.apply_step`) waits for every piece first (`zfunc.state.TrainState`); a
+  checkpoint and `zfunc.full_params` read each rank's own slice only, which no piece writes;
 - inside forward a unit's parameters are bound only while its module runs, as at stage 3; at
   any other moment the module holds placeholders (`Unbound`), so a unit's parameter used
   outside its module's forward fails loudly instead of reading the previous step's values.
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 
 from zfunc import comm
+from zfunc.gather import in_backward
 from zfunc.layout import Layout
 
 __all__ = ["GatherPlan", "Gathering", "plan_gathers", "start_gathers", "UnitViews", "Unbound"]
@@ -100,8 +102,17 @@ class Gathering:
         return bool(self.works)
 
     def wait(self, key: int) -> None:
-        for w in self.works.pop(key, ()):
+        for w in self.works.get(key, ()):
             w.wait()
+        self.works.pop(key, None)
+
+    # The pieces in flight are not part of what the state is: a state still gathering has the
+    # same pytree structure as one that is not (`TrainState.gathering` is pytree metadata).
+    def __eq__(self, other: object) -> bool:
+        return other is None or isinstance(other, Gathering)
+
+    def __hash__(self) -> int:
+        return hash(None)
 
     def wait_all(self) -> None:
         for key in list(self.works):
@@ -124,6 +135,11 @@ def start_gathers(plan: GatherPlan, compute: torch.Tensor, shard: int, group: co
                       for key, runs in order})
 
 
+# What may be asked of a placeholder: its metadata (properties are `__get__`), never its values.
+_METADATA = frozenset({"__get__", "size", "dim", "ndimension", "numel", "nelement", "element_size",
+                       "is_floating_point", "is_complex", "is_contiguous", "stride", "get_device", "__len__"})
+
+
 class Unbound(torch.Tensor):
     """What a unit module holds in a parameter's place outside the unit's forward (stages 1-3):
     its shape, dtype and device can be read; any computation with it raises, naming the
@@ -143,7 +159,8 @@ class Unbound(torch.Tensor):
 
     @staticmethod
     def __new__(cls, like: torch.Tensor, name: str, unit: str) -> Unbound:
-        t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
+        t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device,
+                                                requires_grad=like.requires_grad)
         t.param_name, t.unit = name, unit
         return t
 
@@ -156,9 +173,14 @@ class Unbound(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if getattr(func, "__name__", "") == "__get__":  # a property: shape, dtype, device, requires_grad
+        name = getattr(func, "__name__", "")
+        if name in _METADATA:  # shape, dtype, device, numel(), is_floating_point(), ...: no values read
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
+        if name in ("to", "type_as") and args and not isinstance(args[0], Unbound) and not kwargs:
+            like = args[1]  # x.to(p) / x.type_as(p): only p's dtype and device are read
+            if len(args) == 2 and isinstance(like, Unbound):
+                return args[0].to(device=like.device, dtype=like.dtype)
         for a in torch.utils._pytree.tree_leaves((args, kwargs)):
             if isinstance(a, Unbound):
                 raise a._refuse()
@@ -189,9 +211,13 @@ class UnitViews:
             owner._parameters[attr] = self.views[name]
 
     def leave(self, i: int) -> None:
-        """Unit ``i``'s module is done: its placeholders again."""
-        for owner, attr, original in self.swapped.pop(i, []):
-            owner._parameters[attr] = original
+        """Unit ``i``'s module is done. Inside zfunc's forward call its parameters stay bound (the
+        call puts the placeholders back when it ends; the user's forward hooks see them); in a
+        forward that autograd recomputes during backward the placeholders come back now."""
+        swapped = self.swapped.pop(i, [])
+        if in_backward():
+            for owner, attr, original in swapped:
+                owner._parameters[attr] = original
 
     def drop_ahead(self) -> None:
         """Nothing is gathered ahead here (the stage-3 gatherer's interface)."""
