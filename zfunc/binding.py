@@ -91,12 +91,17 @@ class ModuleBinding:
         self._buckets: tuple[Bucket, ...] | None = None
         self._pool: ShardPool | None = None  # the bucket reducer's result buffers, with the buckets
         self.gather_plan: GatherPlan | None = None  # stages 1-2 with units
+        # The latest call's parameters for a forward recomputed in backward (`zfunc.buckets.Rebind`,
+        # the stage-3 gatherer), and what the recompute hooks swapped, per module.
+        self._rebind: weakref.ref[Any] | None = None
+        self._rebound: dict[int, list[list[tuple[torch.nn.Module, str, Any]]]] = {}
         if stage == 3:
             self._install_unit_hooks([(i, u.name, [s.name for s in u.slots]) for i, u in enumerate(layout.units)
                                       if u.name != "root"])
         elif units:
             self.gather_plan = plan_gathers(layout, [names for _, names in units])
             self._install_unit_hooks([(i, name, names) for i, (name, names) in enumerate(units)])
+        self._install_recompute_hooks()
 
     def buckets(self, state: TrainState) -> tuple[Bucket, ...]:
         """The gradient buckets of stages 0-2 (`zfunc.buckets`), planned on first use."""
@@ -107,6 +112,58 @@ class ModuleBinding:
             self._pool = ShardPool(self.layout.units[0].shard, cfg.reduce_dtype, state.device)
         return self._buckets
 
+    def _aliases(self) -> dict[str, list[str]]:
+        """Every name of each parameter, by its canonical name."""
+        canon = {id(p): n for n, p in self.module.named_parameters()}
+        aliases: dict[str, list[str]] = {}
+        for n, p in self.module.named_parameters(remove_duplicate=False):
+            aliases.setdefault(canon[id(p)], []).append(n)
+        return aliases
+
+    def _install_recompute_hooks(self) -> None:
+        """Hooks on each module holding parameters outside the units: when autograd recomputes a
+        forward during backward (activation checkpointing), outside zfunc's call, the module runs
+        on the latest call's parameters (`_rebind_in`), not on the module's own."""
+        modules = dict(self.module.named_modules(remove_duplicate=False))
+        owners: dict[str, list[tuple[str, torch.nn.Module, str]]] = {}
+        for n, names in self._aliases().items():
+            if n in self.unit_params:
+                continue
+            for a in names:
+                parent, _, attr = a.rpartition(".")
+                owners.setdefault(parent, []).append((n, modules[parent], attr))
+        def pre(slots: list) -> Any:
+            def hook(mod: torch.nn.Module, args: Any) -> None:
+                self._rebind_in(mod, slots)
+            return hook
+
+        def post(mod: torch.nn.Module, args: Any, out: Any) -> None:
+            self._rebind_out(mod)
+
+        for parent, slots in owners.items():
+            mod = modules[parent]
+            self._handles.append(mod.register_forward_pre_hook(pre(slots), prepend=True))
+            self._handles.append(mod.register_forward_hook(post, always_call=True))
+
+    def _rebind_in(self, mod: torch.nn.Module, slots: list[tuple[str, torch.nn.Module, str]]) -> bool:
+        """In a forward recomputed during backward: put the latest call's parameters in place."""
+        if _CURRENT.get() is not None or not _in_backward() or self._rebind is None:
+            return False
+        source = self._rebind()
+        if source is None:
+            return False
+        views = source.views(list(dict.fromkeys(n for n, _, _ in slots)))
+        self._rebound.setdefault(id(mod), []).append([(owner, attr, owner._parameters[attr]) for _, owner, attr in slots])
+        for n, owner, attr in slots:
+            owner._parameters[attr] = views[n]
+        return True
+
+    def _rebind_out(self, mod: torch.nn.Module) -> None:
+        stack = self._rebound.get(id(mod))
+        if stack:
+            for owner, attr, original in stack.pop():
+                owner._parameters[attr] = original
+
     def _install_unit_hooks(self, units: list[tuple[int, str, list[str]]]) -> None:
         """A pre-hook and a post-hook on each unit module ``(index, module name, parameter names)``.
 
@@ -114,10 +171,7 @@ class ModuleBinding:
         parameters); a weight tied inside the unit is bound under every name it has."""
         modules = dict(self.module.named_modules(remove_duplicate=False))
         named = dict(self.module.named_parameters())
-        canon = {id(p): n for n, p in named.items()}
-        aliases: dict[str, list[str]] = {}
-        for n, p in self.module.named_parameters(remove_duplicate=False):
-            aliases.setdefault(canon[id(p)], []).append(n)
+        aliases = self._aliases()
         for i, mname, names in units:
             slots = []
             for n in names:
@@ -134,7 +188,7 @@ class ModuleBinding:
         call = _CURRENT.get()
         if call is not None:
             return call.units if call.state.binding is self else None
-        if self._latest is not None and _in_backward():
+        if self.stage == 3 and self._latest is not None and _in_backward():
             return self._latest()
         return None
 
@@ -143,6 +197,8 @@ class ModuleBinding:
             call = self._call()
             if call is not None:
                 call.enter(i, slots)
+            elif self._rebind_in(mod, slots):  # stages 1-2, a forward recomputed in backward
+                pass
             elif self.donated:
                 self._refuse()
 
@@ -153,6 +209,8 @@ class ModuleBinding:
             call = self._call()
             if call is not None:
                 call.leave(i)
+            else:
+                self._rebind_out(mod)
 
         return hook
 
@@ -293,20 +351,21 @@ class BoundModel:
             self.units = self.gatherer = gatherer = UnitGatherer(state, self.sinks, hint)
             tensors.update(gatherer.root_views())
             contexts: list[Any] = [gatherer.saved_tensor_hooks()]
-            binding._latest = weakref.ref(gatherer)
+            binding._latest = binding._rebind = weakref.ref(gatherer)
         else:
             if self.fold is not None:  # stages 0-1, the step's last micro-batch: reduced in backward
-                views = bucket_views(state, self.sinks[0], binding.buckets(state), binding._pool, self.fold)
+                views, rebind = bucket_views(state, self.sinks[0], binding.buckets(state), binding._pool, self.fold)
             elif cfg.shards_grads and state.mesh.shard.size > 1:  # reduce-scattered bucket by bucket
-                views = bucket_views(state, self.sinks[0], binding.buckets(state), binding._pool)
+                views, rebind = bucket_views(state, self.sinks[0], binding.buckets(state), binding._pool)
             else:  # each gradient added into the local accumulator (a shard of one rank is all of it)
-                views = local_views(state, self.sinks[0])
+                views, rebind = local_views(state, self.sinks[0])
+            rebind.frozen = state.frozen
+            binding._rebind = weakref.ref(rebind)
             pending = state.gathering
             if binding.gather_plan is not None:  # stages 1-2 with units: bound as their modules run
                 if pending is not None:
                     pending.wait(ROOT)
                 self.units = UnitViews({n: views.pop(n) for n in binding.unit_params}, pending)
-                binding._latest = weakref.ref(self.units)
             elif pending is not None:  # the hooks that would wait are gone (`ModuleBinding.remove`)
                 pending.wait_all()
             tensors.update(views)

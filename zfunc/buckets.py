@@ -47,7 +47,7 @@ from zfunc.widen import add_into, copy_into
 if TYPE_CHECKING:
     from zfunc.state import TrainState
 
-__all__ = ["Bucket", "Fold", "ShardPool", "plan_buckets", "bucket_views", "local_views", "reduce_group"]
+__all__ = ["Bucket", "Fold", "ShardPool", "Rebind", "plan_buckets", "bucket_views", "local_views", "reduce_group"]
 
 _IN_FLIGHT = 4  # reductions running at once (bounds the memory of non-owned bucket copies)
 
@@ -183,11 +183,17 @@ class _Reducer:
         self.direct = False  # reducing into the accumulator (sink.grad) itself
 
     def take(self, j: int, grad: torch.Tensor) -> None:
-        """Parameter ``j``'s gradient (``self.slots[j]``) is complete."""
+        """Parameter ``j``'s gradient (``self.slots[j]``) is complete. (It comes in parts when
+        reentrant activation checkpointing recomputes a forward that uses it during backward.)"""
         k, slot = self.slots[j]
+        if k < self.next:
+            raise RuntimeError(
+                f"gradient of {slot.name!r} arrived after its bucket's reduce had started: the parameter is used "
+                "inside a reentrant activation checkpoint and elsewhere (or in two of them). Use "
+                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False), torch's recommended mode")
         if not self.opened[k]:
             self._open(k)
-        self._place(k, slot.offset, grad.reshape(-1))
+        self._place(k, slot.offset, grad.reshape(-1), again=j not in self.missing[k])
         self.missing[k].discard(j)
         if not self.missing[k]:
             self.complete[k] = True
@@ -210,7 +216,7 @@ class _Reducer:
             # Pages are only touched where written: at stage 2 the parts other ranks own.
             self.staged[k] = torch.empty(b.stop - b.start, dtype=self.dtype, device=self.state.device)
 
-    def _place(self, k: int, offset: int, grad: torch.Tensor) -> None:
+    def _place(self, k: int, offset: int, grad: torch.Tensor, again: bool = False) -> None:
         n = grad.numel()
         if self.folds[k]:  # the step's last micro-batch at stages 0-1: into the local accumulator
             add_into(self.out.narrow(0, offset, n), grad)
@@ -223,8 +229,8 @@ class _Reducer:
             part = grad.narrow(0, lo - offset, hi - lo)
             if self.fold is None and self.direct and owner == self.group.rank:  # straight into our shard
                 add_into(self.out.narrow(0, lo - owner * self.shard, hi - lo), part)
-            else:
-                copy_into(staged.narrow(0, lo - b.start, hi - lo), part)
+            else:  # a second part of the gradient adds to the first
+                (add_into if again else copy_into)(staged.narrow(0, lo - b.start, hi - lo), part)
 
     def _start(self, k: int) -> None:
         b = self.buckets[k]
@@ -354,16 +360,54 @@ class _Tap(torch.autograd.Function):
         return torch.zeros((), dtype=torch.float32, device=grad.device), None, None, None
 
 
+class Rebind:
+    """A forward call's parameters again, for a forward that autograd recomputes during backward
+    (activation checkpointing runs the module outside zfunc's call): taps of the same compute
+    buffer handing their gradients to the same ``take``, hanging off a leaf of their own rather
+    than the collector, so a recomputation's own backward (reentrant checkpointing) delivers its
+    gradients without running the collector early. The call's graph keeps it alive.
+
+    Examples:
+        >>> import torch
+        >>> from zfunc.layout import Slot
+        >>> got = []
+        >>> rb = Rebind(torch.arange(4.0), {"w": (0, Slot("w", (2, 2), 0))}, lambda k, g: got.append(g))
+        >>> w = rb.views(["w"])["w"]
+        >>> (w * 3).sum().backward(); w.tolist(), got[0].tolist()
+        ([[0.0, 1.0], [2.0, 3.0]], [3.0, 3.0, 3.0, 3.0])
+    """
+
+    def __init__(self, compute: torch.Tensor, slots: dict[str, tuple[Any, Slot]], take: Any):
+        self.compute, self.slots, self.take = compute, slots, take
+        self.frozen: dict[str, torch.Tensor] = {}  # the call's frozen parameters, by name
+        self.anchor: torch.Tensor | None = None
+
+    def views(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Parameters ``names`` (trained or frozen) as the call had them."""
+        if self.anchor is None:
+            self.anchor = torch.zeros((), dtype=torch.float32, device=self.compute.device, requires_grad=True)
+        out = {}
+        for n in names:
+            if n in self.frozen:
+                out[n] = self.frozen[n]
+                continue
+            key, s = self.slots[n]
+            out[n] = _Tap.apply(self.anchor, self.compute.narrow(0, s.offset, s.numel), self.take, key).view(s.shape)
+        return out
+
+
 def bucket_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, ...], pool: ShardPool,
-                 fold: Fold | None = None) -> dict[str, torch.Tensor]:
+                 fold: Fold | None = None) -> tuple[dict[str, torch.Tensor], Rebind]:
     """Parameter views of ``state.compute`` whose gradients reach ``sink`` bucket by bucket
     (reduced into the full local accumulator with ``fold``, else reduce-scattered). Each
-    parameter is its own tap: no bucket-sized gradient is concatenated in backward."""
+    parameter is its own tap: no bucket-sized gradient is concatenated in backward. Also the
+    call's `Rebind`."""
     reducer = _Reducer(state, buckets, pool, sink, fold)
     hub = Collect.apply(reducer, sink)
     compute = raw_compute(state)  # forward waits for a pending all-gather before it reads (zfunc.regather)
-    return {s.name: _Tap.apply(hub, compute.narrow(0, s.offset, s.numel), reducer.take, j).view(s.shape)
-            for j, (_, s) in enumerate(reducer.slots)}
+    reducer.rebind = Rebind(compute, {s.name: (j, s) for j, (_, s) in enumerate(reducer.slots)}, reducer.take)
+    return ({s.name: _Tap.apply(hub, compute.narrow(0, s.offset, s.numel), reducer.take, j).view(s.shape)
+             for j, (_, s) in enumerate(reducer.slots)}, reducer.rebind)
 
 
 class _Sink(torch.autograd.Function):
@@ -371,28 +415,30 @@ class _Sink(torch.autograd.Function):
     accumulator already, so it hands the sink a zero that holds no memory (its hooks still run)."""
 
     @staticmethod
-    def forward(sink: torch.Tensor) -> torch.Tensor:
+    def forward(sink: torch.Tensor, keep: Any) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float32, device=sink.device)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        ctx.shape, ctx.dtype = inputs[0].shape, inputs[0].dtype
+        ctx.shape, ctx.dtype, ctx.keep = inputs[0].shape, inputs[0].dtype, inputs[1]  # keep: alive with the graph
 
     @staticmethod
-    def backward(ctx: Any, _: torch.Tensor) -> torch.Tensor:
-        return torch.zeros((), dtype=ctx.dtype, device=_.device).expand(ctx.shape)
+    def backward(ctx: Any, _: torch.Tensor) -> tuple:
+        return torch.zeros((), dtype=ctx.dtype, device=_.device).expand(ctx.shape), None
 
 
-def local_views(state: TrainState, sink: torch.Tensor) -> dict[str, torch.Tensor]:
+def local_views(state: TrainState, sink: torch.Tensor) -> tuple[dict[str, torch.Tensor], Rebind]:
     """Parameter views of ``state.compute`` (stages 0-1, one unit) whose gradients backward adds
     one by one into the full local accumulator ``sink.grad``: no flat gradient of the whole unit
-    is assembled first (a concatenation and a fresh unit-sized buffer per micro-batch)."""
+    is assembled first (a concatenation and a fresh unit-sized buffer per micro-batch). Also the
+    call's `Rebind`."""
     (unit,) = state.layout.units
-    hub = _Sink.apply(sink)
 
     def add(start: int, grad: torch.Tensor) -> None:
         add_into(sink.grad.narrow(0, start, grad.numel()), grad.reshape(-1))
 
     compute = raw_compute(state)  # as in `bucket_views`
-    return {s.name: _Tap.apply(hub, compute.narrow(0, s.offset, s.numel), add, s.offset).view(s.shape)
-            for s in unit.slots}
+    rebind = Rebind(compute, {s.name: (s.offset, s) for s in unit.slots}, add)
+    hub = _Sink.apply(sink, rebind)
+    return ({s.name: _Tap.apply(hub, compute.narrow(0, s.offset, s.numel), add, s.offset).view(s.shape)
+             for s in unit.slots}, rebind)

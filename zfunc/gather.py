@@ -168,6 +168,7 @@ class UnitGatherer:
         self.saved: set[int] = set()  # places in `order` whose saved tensors backward regathers
         self.ahead: dict[int, tuple[torch.Tensor, Any]] = {}  # prefetched unit -> (buffer, handle)
         self.hint, self.on_track = hint, True
+        self._root_again: dict[str, torch.Tensor] | None = None  # `views`, gathered in backward
         self.expect: list[int] | None = None  # backward's regathers in order, known at the first
         self.next_back = 0  # where backward is in `expect`
         # Gradients reduce-scatter asynchronously through a collector, except in a forward that
@@ -251,6 +252,18 @@ class UnitGatherer:
         if self.depth:
             self._prefetch(self.hint[:self.depth])
         return views
+
+    def views(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Root or frozen parameters ``names`` for a forward recomputed in backward (activation
+        checkpointing, outside zfunc's call): the root gathered again once, its gradient
+        reduce-scattered into its sink directly (`comm.unit_params`)."""
+        if self._root_again is None:
+            lay = self.state.layout
+            self._root_again = dict(self.state.frozen)
+            for i, unit in enumerate(lay.units):
+                if unit.name == "root":
+                    self._root_again.update(lay.views(unit, self.gather(i)))
+        return {n: self._root_again[n] for n in names}
 
     def enter(self, i: int, slots: list[tuple[str, torch.nn.Module, str]]) -> None:
         """Unit ``i``'s module starts: its parameters become views of the gathered unit."""

@@ -1,0 +1,101 @@
+"""Activation checkpointing (torch.utils.checkpoint, reentrant or not) trains as without it (bitwise
+when not reentrant), at every stage: the forward autograd recomputes in backward runs outside zfunc's call, on the
+latest call's parameters (`zfunc.binding.ModuleBinding._rebind_in`), never on the module's own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zfunc
+from tests.helpers import run_ranks
+from tests.test_stage3 import Stack, _stack_loss
+
+
+def _model(ckpt: str | None) -> Stack:
+    torch.manual_seed(0)
+    model = Stack(3, reuse=1)  # block 1 runs twice: its gradient comes in two parts
+    model.blocks[0][0].requires_grad_(False)  # a frozen parameter inside a checkpointed block
+    model.ckpt = ckpt
+    return model
+
+
+def _train(rank: int, ckpt: str | None, stage: int, grad_accum: int, units: list | None) -> list[torch.Tensor]:
+    cfg = zfunc.Config(stage=stage, grad_accum=grad_accum, clip=1.0, persist_threshold=0, units=units,
+                       optimizer=zfunc.adamw(lr=1e-2))
+    state = zfunc.init(_model(ckpt), cfg)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        for _ in range(grad_accum):
+            batch = (torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g))
+            state, _ = zfunc.backward_step(state, _stack_loss, batch, donate=True)
+        state = zfunc.apply_step(state, donate=True)
+    return list(zfunc.full_params(state).values())
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_checkpointed_training_is_the_plain_one(world):
+    for stage in (0, 1, 2, 3):
+        for grad_accum in (1, 2):
+            unit_choices = [None, ["blocks.0", "blocks.1", "blocks.2"]] if stage in (1, 2) else [None]
+            for units in unit_choices:
+                plain = run_ranks(_train, world, None, stage, grad_accum, units)
+                for ckpt in ("reentrant", "non_reentrant"):
+                    for rank, (a, b) in enumerate(zip(plain, run_ranks(_train, world, ckpt, stage, grad_accum, units))):
+                        where = f"stage {stage} ga {grad_accum} units {units} {ckpt} world {world} rank {rank}"
+                        if ckpt == "non_reentrant":  # the same graph: bitwise
+                            assert all(torch.equal(x, y) for x, y in zip(a, b)), where
+                        else:  # block 1's two parts are added one after the other: rounding apart
+                            assert max((x - y).abs().max().item() for x, y in zip(a, b)) < 1e-6, where
+
+
+def _engine(rank: int, ckpt: str | None, stage: int) -> list[torch.Tensor]:
+    model = _model(ckpt)
+    ds = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
+          "zero_optimization": {"stage": stage}}
+    engine, *_ = zfunc.initialize(model=model, config=ds)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(6):
+        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+        loss = ((engine(x) - y) ** 2).mean()
+        engine.backward(loss)
+        engine.step()
+    return [p.detach().clone() for p in engine.module.parameters()] if stage < 3 else \
+        list(zfunc.full_params(engine.state).values())
+
+
+def test_checkpointing_through_the_engine():
+    for stage in (0, 2, 3):
+        plain = run_ranks(_engine, 2, None, stage)
+        for ckpt in ("reentrant", "non_reentrant"):
+            for a, b in zip(plain, run_ranks(_engine, 2, ckpt, stage)):
+                diff = max((x - y).abs().max().item() for x, y in zip(a, b))
+                assert diff == 0 if ckpt == "non_reentrant" else diff < 1e-6, f"stage {stage} {ckpt}: {diff}"
+
+
+def _late_part(rank: int) -> str:
+    """Every parameter's gradient handed to the bucket reducer, then one of them again: its bucket's
+    reduce is under way, so the late part is refused (it could not be added any more)."""
+    from zfunc.buckets import bucket_views
+
+    torch.manual_seed(0)
+    state = zfunc.init(Stack(2), zfunc.Config(stage=2))
+    sink = torch.zeros((), requires_grad=True).expand(state.grads.numel())
+    sink.grad = torch.zeros(state.grads.numel())
+    views, rebind = bucket_views(state, sink, state.binding.buckets(state), state.binding._pool)
+    reducer = rebind.take.__self__
+    for j, (_, slot) in enumerate(reducer.slots):
+        rebind.take(j, torch.ones(slot.shape))
+    try:
+        rebind.take(0, torch.ones(reducer.slots[0][1].shape))
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        reducer.finish()
+    return "accepted"
+
+
+def test_a_gradient_part_after_its_bucket_started_is_refused():
+    for message in run_ranks(_late_part, 2):
+        assert "arrived after its bucket's reduce had started" in message and "use_reentrant=False" in message
