@@ -37,7 +37,9 @@ def _train(rank: int, ckpt: str | None, stage: int, grad_accum: int, units: list
 def test_checkpointed_training_is_the_plain_one(world):
     for stage in (0, 1, 2, 3):
         for grad_accum in (1, 2):
-            unit_choices = [None, ["blocks.0", "blocks.1", "blocks.2"]] if stage in (1, 2) else [None]
+            # Stage 3 with only block 0 a unit: the checkpointed blocks 1 and 2 are root parameters.
+            unit_choices = {1: [None, ["blocks.0", "blocks.1", "blocks.2"]], 2: [None, ["blocks.0", "blocks.1",
+                            "blocks.2"]], 3: [None, ["blocks.0"]]}.get(stage, [None])
             for units in unit_choices:
                 plain = run_ranks(_train, world, None, stage, grad_accum, units)
                 for ckpt in ("reentrant", "non_reentrant"):
@@ -99,3 +101,58 @@ def _late_part(rank: int) -> str:
 def test_a_gradient_part_after_its_bucket_started_is_refused():
     for message in run_ranks(_late_part, 2):
         assert "arrived after its bucket's reduce had started" in message and "use_reentrant=False" in message
+
+
+def _twice(rank: int, stage: int, ckpt: str) -> str:
+    """The model called twice in one loss, with checkpointed blocks: refused when recomputing."""
+    state = zfunc.init(_model(ckpt), zfunc.Config(stage=stage))
+    batch = (torch.randn(4, 8), torch.randn(4, 1))
+    try:
+        zfunc.backward_step(state, lambda m, b: _stack_loss(m, b) + _stack_loss(m, b), batch)
+    except RuntimeError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_two_calls_pending_backward_are_refused_when_recomputing():
+    for stage in (0, 1, 2):
+        for ckpt in ("reentrant", "non_reentrant"):
+            for message in run_ranks(_twice, 2, stage, ckpt):
+                assert "2 forward calls of it through zfunc still have their backward pending" in message, message
+
+
+def _pullbacks(rank: int, stage: int, between: str) -> list[torch.Tensor]:
+    """A vjp whose pullback runs after ``between``: nothing, a forward without autograd of the
+    same state, or a second vjp still pending (refused)."""
+    import gc
+
+    gc.disable()  # a call's parameters must live exactly as long as its graph, without the collector
+    try:
+        state = zfunc.init(_model("non_reentrant" if between != "plain" else None), zfunc.Config(stage=stage))
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+        out, pullback = zfunc.vjp(state, lambda m, x: m(x), x)
+        kept = None
+        if between == "no_grad":
+            with torch.no_grad():
+                zfunc.vjp(state, lambda m, x: m(x), x)
+        elif between == "second":
+            kept = zfunc.vjp(state, lambda m, x: m(x), x)
+        try:
+            done = pullback(torch.ones_like(out))
+        except RuntimeError as e:
+            return [str(e)]
+        del out, pullback, kept
+        assert len(state.binding._pending) == 0  # freed with the graph
+        return [done.grads.clone()]
+    finally:
+        gc.enable()
+
+
+def test_a_pullback_recomputes_on_its_own_call():
+    for stage in (0, 1, 2):
+        plain = run_ranks(_pullbacks, 2, stage, "plain")
+        for between in ("nothing", "no_grad"):
+            for a, b in zip(plain, run_ranks(_pullbacks, 2, stage, between)):
+                assert torch.equal(a[0], b[0]), f"stage {stage} {between}"
+        for got in run_ranks(_pullbacks, 2, stage, "second"):
+            assert "still have their backward pending" in got[0]

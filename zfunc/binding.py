@@ -91,8 +91,10 @@ class ModuleBinding:
         self._buckets: tuple[Bucket, ...] | None = None
         self._pool: ShardPool | None = None  # the bucket reducer's result buffers, with the buckets
         self.gather_plan: GatherPlan | None = None  # stages 1-2 with units
-        # The latest call's parameters for a forward recomputed in backward (`zfunc.buckets.Rebind`,
-        # the stage-3 gatherer), and what the recompute hooks swapped, per module.
+        # The parameters of the calls whose backward can still run, for a forward recomputed in
+        # backward (`zfunc.buckets.Rebind`; at stage 3 the latest call's gatherer), and what the
+        # recompute hooks swapped, per module.
+        self._pending: weakref.WeakSet[Any] = weakref.WeakSet()
         self._rebind: weakref.ref[Any] | None = None
         self._rebound: dict[int, list[list[tuple[torch.nn.Module, str, Any]]]] = {}
         if stage == 3:
@@ -146,10 +148,22 @@ class ModuleBinding:
             self._handles.append(mod.register_forward_hook(post, always_call=True))
 
     def _rebind_in(self, mod: torch.nn.Module, slots: list[tuple[str, torch.nn.Module, str]]) -> bool:
-        """In a forward recomputed during backward: put the latest call's parameters in place."""
-        if _CURRENT.get() is not None or not _in_backward() or self._rebind is None:
+        """In a forward recomputed during backward: put the parameters of the call whose backward
+        this is in place (stages 0-2: the one call whose graph is alive; two are ambiguous)."""
+        if _CURRENT.get() is not None or not _in_backward():
             return False
-        source = self._rebind()
+        if self.stage == 3:
+            source = self._rebind() if self._rebind is not None else None
+        else:
+            live = list(self._pending)
+            if len(live) > 1:
+                raise RuntimeError(
+                    f"activation checkpointing recomputes part of {type(self.module).__name__} during backward, "
+                    f"and {len(live)} forward calls of it through zfunc still have their backward pending (the "
+                    "model called twice in one loss, or two vjp pullbacks kept): zfunc cannot tell which call's "
+                    "parameters and gradients the recomputation belongs to. Run each call's backward before the "
+                    "next call, or leave checkpointing out of a model called more than once per backward")
+            source = live[0] if live else None
         if source is None:
             return False
         views = source.views(list(dict.fromkeys(n for n, _, _ in slots)))
@@ -360,7 +374,8 @@ class BoundModel:
             else:  # each gradient added into the local accumulator (a shard of one rank is all of it)
                 views, rebind = local_views(state, self.sinks[0])
             rebind.frozen = state.frozen
-            binding._rebind = weakref.ref(rebind)
+            if torch.is_grad_enabled() and not _in_backward():  # a backward will follow (its graph keeps it)
+                binding._pending.add(rebind)
             pending = state.gathering
             if binding.gather_plan is not None:  # stages 1-2 with units: bound as their modules run
                 if pending is not None:

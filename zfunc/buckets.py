@@ -365,7 +365,8 @@ class Rebind:
     (activation checkpointing runs the module outside zfunc's call): taps of the same compute
     buffer handing their gradients to the same ``take``, hanging off a leaf of their own rather
     than the collector, so a recomputation's own backward (reentrant checkpointing) delivers its
-    gradients without running the collector early. The call's graph keeps it alive.
+    gradients without running the collector early. The call's graph keeps it alive, and nothing
+    else: it exists exactly while the call's backward can still run.
 
     Examples:
         >>> import torch
@@ -405,9 +406,17 @@ def bucket_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, .
     reducer = _Reducer(state, buckets, pool, sink, fold)
     hub = Collect.apply(reducer, sink)
     compute = raw_compute(state)  # forward waits for a pending all-gather before it reads (zfunc.regather)
-    reducer.rebind = Rebind(compute, {s.name: (j, s) for j, (_, s) in enumerate(reducer.slots)}, reducer.take)
+    rebind = _keep(hub, Rebind(compute, {s.name: (j, s) for j, (_, s) in enumerate(reducer.slots)}, reducer.take))
     return ({s.name: _Tap.apply(hub, compute.narrow(0, s.offset, s.numel), reducer.take, j).view(s.shape)
-             for j, (_, s) in enumerate(reducer.slots)}, reducer.rebind)
+             for j, (_, s) in enumerate(reducer.slots)}, rebind)
+
+
+def _keep(hub: torch.Tensor, rebind: Rebind) -> Rebind:
+    """``rebind``, kept alive by the collector's node as long as the call's graph is (none
+    without one: a forward under ``no_grad`` has nothing to recompute)."""
+    if hub.grad_fn is not None:
+        hub.grad_fn.keep = rebind
+    return rebind
 
 
 class _Sink(torch.autograd.Function):
@@ -415,16 +424,16 @@ class _Sink(torch.autograd.Function):
     accumulator already, so it hands the sink a zero that holds no memory (its hooks still run)."""
 
     @staticmethod
-    def forward(sink: torch.Tensor, keep: Any) -> torch.Tensor:
+    def forward(sink: torch.Tensor) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float32, device=sink.device)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        ctx.shape, ctx.dtype, ctx.keep = inputs[0].shape, inputs[0].dtype, inputs[1]  # keep: alive with the graph
+        ctx.shape, ctx.dtype = inputs[0].shape, inputs[0].dtype
 
     @staticmethod
-    def backward(ctx: Any, _: torch.Tensor) -> tuple:
-        return torch.zeros((), dtype=ctx.dtype, device=_.device).expand(ctx.shape), None
+    def backward(ctx: Any, _: torch.Tensor) -> torch.Tensor:
+        return torch.zeros((), dtype=ctx.dtype, device=_.device).expand(ctx.shape)
 
 
 def local_views(state: TrainState, sink: torch.Tensor) -> tuple[dict[str, torch.Tensor], Rebind]:
@@ -438,7 +447,7 @@ def local_views(state: TrainState, sink: torch.Tensor) -> tuple[dict[str, torch.
         add_into(sink.grad.narrow(0, start, grad.numel()), grad.reshape(-1))
 
     compute = raw_compute(state)  # as in `bucket_views`
-    rebind = Rebind(compute, {s.name: (s.offset, s) for s in unit.slots}, add)
-    hub = _Sink.apply(sink, rebind)
+    hub = _Sink.apply(sink)
+    rebind = _keep(hub, Rebind(compute, {s.name: (s.offset, s) for s in unit.slots}, add))
     return ({s.name: _Tap.apply(hub, compute.narrow(0, s.offset, s.numel), add, s.offset).view(s.shape)
              for s in unit.slots}, rebind)

@@ -257,13 +257,14 @@ class UnitGatherer:
         """Root or frozen parameters ``names`` for a forward recomputed in backward (activation
         checkpointing, outside zfunc's call): the root gathered again once, its gradient
         reduce-scattered into its sink directly (`comm.unit_params`)."""
-        if self._root_again is None:
+        frozen = self.state.frozen
+        if self._root_again is None and any(n not in frozen for n in names):
             lay = self.state.layout
-            self._root_again = dict(self.state.frozen)
+            self._root_again = {}
             for i, unit in enumerate(lay.units):
                 if unit.name == "root":
                     self._root_again.update(lay.views(unit, self.gather(i)))
-        return {n: self._root_again[n] for n in names}
+        return {n: frozen[n] if n in frozen else self._root_again[n] for n in names}
 
     def enter(self, i: int, slots: list[tuple[str, torch.nn.Module, str]]) -> None:
         """Unit ``i``'s module starts: its parameters become views of the gathered unit."""
