@@ -81,7 +81,7 @@ class ModuleBinding:
         self.module, self.layout, self.stage = module, layout, stage
         self.donated = False
         self._handles: list[RemovableHandle] = []
-        self._latest: weakref.ref[UnitGatherer | UnitViews] | None = None
+        self._latest: weakref.ref[UnitGatherer] | None = None  # stage 3: the latest call's gatherer
         self.unit_order: list[int] = []  # stage 3: the units the last forward ran, in order
         self._members: list[Any] = []  # set by `route`
         self._frames: list[Any] = []
@@ -91,11 +91,10 @@ class ModuleBinding:
         self._buckets: tuple[Bucket, ...] | None = None
         self._pool: ShardPool | None = None  # the bucket reducer's result buffers, with the buckets
         self.gather_plan: GatherPlan | None = None  # stages 1-2 with units
-        # The parameters of the calls whose backward can still run, for a forward recomputed in
-        # backward (`zfunc.buckets.Rebind`; at stage 3 the latest call's gatherer), and what the
-        # recompute hooks swapped, per module.
+        # Stages 0-2: the parameters of the calls whose backward can still run, for a forward
+        # recomputed in backward (`zfunc.buckets.Rebind`; stage 3 uses the latest call's gatherer),
+        # and what the recompute hooks swapped, per module.
         self._pending: weakref.WeakSet[Any] = weakref.WeakSet()
-        self._rebind: weakref.ref[Any] | None = None
         self._rebound: dict[int, list[list[tuple[torch.nn.Module, str, Any]]]] = {}
         if stage == 3:
             self._install_unit_hooks([(i, u.name, [s.name for s in u.slots]) for i, u in enumerate(layout.units)
@@ -114,26 +113,28 @@ class ModuleBinding:
             self._pool = ShardPool(self.layout.units[0].shard, cfg.reduce_dtype, state.device)
         return self._buckets
 
-    def _aliases(self) -> dict[str, list[str]]:
-        """Every name of each parameter, by its canonical name."""
+    def _slots(self, names: list[str]) -> list[tuple[str, torch.nn.Module, str]]:
+        """``(canonical name, owning module, attribute)`` for every name each parameter of
+        ``names`` has (a tied weight has several)."""
         canon = {id(p): n for n, p in self.module.named_parameters()}
-        aliases: dict[str, list[str]] = {}
-        for n, p in self.module.named_parameters(remove_duplicate=False):
-            aliases.setdefault(canon[id(p)], []).append(n)
-        return aliases
+        modules = dict(self.module.named_modules(remove_duplicate=False))
+        wanted = set(names)
+        out = []
+        for a, p in self.module.named_parameters(remove_duplicate=False):
+            if canon[id(p)] in wanted:
+                parent, _, attr = a.rpartition(".")
+                out.append((canon[id(p)], modules[parent], attr))
+        return out
 
     def _install_recompute_hooks(self) -> None:
         """Hooks on each module holding parameters outside the units: when autograd recomputes a
         forward during backward (activation checkpointing), outside zfunc's call, the module runs
         on the latest call's parameters (`_rebind_in`), not on the module's own."""
-        modules = dict(self.module.named_modules(remove_duplicate=False))
-        owners: dict[str, list[tuple[str, torch.nn.Module, str]]] = {}
-        for n, names in self._aliases().items():
-            if n in self.unit_params:
-                continue
-            for a in names:
-                parent, _, attr = a.rpartition(".")
-                owners.setdefault(parent, []).append((n, modules[parent], attr))
+        outside = [n for n, _ in self.module.named_parameters() if n not in self.unit_params]
+        owners: dict[int, list[tuple[str, torch.nn.Module, str]]] = {}
+        for slot in self._slots(outside):
+            owners.setdefault(id(slot[1]), []).append(slot)
+
         def pre(slots: list) -> Any:
             def hook(mod: torch.nn.Module, args: Any) -> None:
                 self._rebind_in(mod, slots)
@@ -142,8 +143,8 @@ class ModuleBinding:
         def post(mod: torch.nn.Module, args: Any, out: Any) -> None:
             self._rebind_out(mod)
 
-        for parent, slots in owners.items():
-            mod = modules[parent]
+        for slots in owners.values():
+            mod = slots[0][1]
             self._handles.append(mod.register_forward_pre_hook(pre(slots), prepend=True))
             self._handles.append(mod.register_forward_hook(post, always_call=True))
 
@@ -153,7 +154,7 @@ class ModuleBinding:
         if _CURRENT.get() is not None or not _in_backward():
             return False
         if self.stage == 3:
-            source = self._rebind() if self._rebind is not None else None
+            source = self._latest() if self._latest is not None else None
         else:
             live = list(self._pending)
             if len(live) > 1:
@@ -185,14 +186,9 @@ class ModuleBinding:
         parameters); a weight tied inside the unit is bound under every name it has."""
         modules = dict(self.module.named_modules(remove_duplicate=False))
         named = dict(self.module.named_parameters())
-        aliases = self._aliases()
         for i, mname, names in units:
-            slots = []
-            for n in names:
-                for a in aliases[n]:
-                    parent, _, attr = a.rpartition(".")
-                    slots.append((n, modules[parent], attr))
-                self.unit_params[n] = Unbound(named[n], n, mname)
+            slots = self._slots(names)
+            self.unit_params.update({n: Unbound(named[n], n, mname) for n in names})
             mod = modules[mname]
             self._handles.append(mod.register_forward_pre_hook(self._enter_hook(i, slots), prepend=True))
             self._handles.append(mod.register_forward_hook(self._leave_hook(i), always_call=True))
@@ -365,7 +361,7 @@ class BoundModel:
             self.units = self.gatherer = gatherer = UnitGatherer(state, self.sinks, hint)
             tensors.update(gatherer.root_views())
             contexts: list[Any] = [gatherer.saved_tensor_hooks()]
-            binding._latest = binding._rebind = weakref.ref(gatherer)
+            binding._latest = weakref.ref(gatherer)
         else:
             if self.fold is not None:  # stages 0-1, the step's last micro-batch: reduced in backward
                 views, rebind = bucket_views(state, self.sinks[0], binding.buckets(state), binding._pool, self.fold)
