@@ -209,3 +209,73 @@ def test_a_backward_that_stopped_part_way_through_the_reduce_is_refused():
     done = Fold(1)
     done.folded[0] = True
     assert record_micro(state, torch.zeros(state.grads.numel()), fold=done).reduced
+
+
+def _short(rank: int, name: str, stage: int, grad_accum: int, seen: int) -> tuple[float, list, list, list[float]]:
+    """``grad_accum`` configured, ``seen`` micro-batches run before each `apply_step` (an epoch's
+    short last accumulation), against torch AdamW whose steps see those ``seen`` alone."""
+    world = zfunc.comm.world().size
+    make, loss_fn, batch_fn = MODELS[name]
+    torch.manual_seed(0)
+    state = zfunc.init(make(), _cfg(stage, grad_accum, bucket_mb=25.0))
+    norms, losses = [], []
+    for i in range(3):
+        for mb in split(batch_fn(i, rank, 2 * seen), seen):
+            state, _ = zfunc.backward_step(state, loss_fn, mb)
+        state = zfunc.apply_step(state)
+        norms.append(state.metrics.grad_norm.item())
+        losses.append(state.metrics.loss.item())
+    ref, ref_norms = reference_run(name, world, 3, grad_accum=seen, clip=1.0)
+    return max_param_diff(state, ref), norms, ref_norms, losses
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_fewer_micro_batches_than_grad_accum_step_on_their_mean(world, stage):
+    # grad_accum=3 with 1 and with 2 micro-batches per step: the mean over those seen, as torch
+    # AdamW with those micro-batches alone; never their sum divided by grad_accum.
+    for seen in (1, 2):
+        for diff, norms, ref_norms, losses in run_ranks(_short, world, "zoo", stage, 3, seen):
+            # 1/3 then 3 on a tied weight's two parts rounds apart by ~1e-7, which Adam's
+            # normalisation of near-zero elements enlarges to ~4e-6 after three steps
+            assert diff <= 1e-5, (seen, diff)
+            # the norm sees the scale that Adam hides: the sum over grad_accum is 3/seen x smaller
+            assert norms == pytest.approx(ref_norms, rel=1e-5), (seen, norms, ref_norms)
+            assert all(loss == loss for loss in losses), losses  # the mean loss over those seen
+
+
+def test_a_full_accumulation_is_unchanged_by_the_mean():
+    # The factor is exactly 1 after grad_accum micro-batches: the bits of the configured step.
+    make, loss_fn, batch_fn = MODELS["zoo"]
+    torch.manual_seed(0)
+    state = zfunc.init(make(), _cfg(2, 2))
+    for mb in split(batch_fn(0, 0, 4), 2):
+        state, _ = zfunc.backward_step(state, loss_fn, mb)
+    after = zfunc.apply_step(state)
+    by_hand = state.replace(micro_step=torch.zeros_like(state.micro_step) + 2)
+    assert bitwise_equal([after.params], [zfunc.apply_step(by_hand).params])
+    # and the check can fail: a count of 1 (a half accumulation) scales the same gradient by 2
+    half = zfunc.apply_step(state.replace(micro_step=torch.ones_like(state.micro_step)))
+    assert not bitwise_equal([after.params], [half.params])
+
+
+def _engine_short_end(rank: int, stage: int, forced: bool) -> list[torch.Tensor]:
+    make, loss_fn, batch_fn = MODELS["zoo"]
+    torch.manual_seed(0)
+    engine, *_ = zfunc.initialize(model=make(), config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3 if forced else 1,
+        "zero_optimization": {"stage": stage}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    if forced:  # an epoch's short end: one micro-batch, then a step forced by the boundary
+        engine.set_gradient_accumulation_boundary(True)
+    engine.backward(loss_fn(engine, batch_fn(0, rank, 2)))
+    engine.step()
+    assert engine.global_steps == 1
+    return list(zfunc.full_params(engine.state).values())
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_engine_forced_boundary_after_fewer_micro_batches_steps_on_their_mean(stage):
+    # SGD shows the gradient's size: gradient_accumulation_steps=3 with the step forced after one
+    # micro-batch equals gradient_accumulation_steps=1 on that micro-batch (not a third of it)
+    for short, full in zip(run_ranks(_engine_short_end, 2, stage, True), run_ranks(_engine_short_end, 2, stage, False)):
+        assert max((a - b).abs().max().item() for a, b in zip(short, full)) <= 1e-7

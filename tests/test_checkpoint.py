@@ -194,6 +194,79 @@ def test_engine_checkpoint_tags_latest_and_client_state(tmp_path):
     assert engine.load_checkpoint(str(tmp_path / "nothing")) == (None, None)
 
 
+def _load_keywords(rank: int, save_dir: str, sched: bool) -> dict:
+    """A run saved after 2 steps; fresh engines trained 1 step load it with DeepSpeed's keywords."""
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+
+    def engine():
+        torch.manual_seed(0)
+        model = MODELS["gpt"][0]()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        lam = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (k + 1)) if sched else None
+        e, *_ = zfunc.initialize(model=model, optimizer=opt, lr_scheduler=lam, config=cfg)
+        return e
+
+    def train(e, steps, first=0):
+        for i in range(first, first + steps):
+            e.backward(MODELS["gpt"][1](e, _batch(i, rank, 2)))
+            e.step()
+
+    saved = engine()
+    train(saved, 2)
+    saved.save_checkpoint(save_dir, client_state={"epoch": 3})
+    out = {}
+    for kw in ({}, {"load_module_only": True}, {"load_optimizer_states": False},
+               {"load_lr_scheduler_states": False}):
+        e = engine()
+        train(e, 1, first=5)
+        before = e.state
+        path, client = e.load_checkpoint(save_dir, **kw)
+        st = e.state
+        out[tuple(kw)] = {
+            "client": client, "sched": getattr(e.lr_scheduler, "last_epoch", None), "steps": e.global_steps, "micro": e.micro_steps, "lr": e.get_lr(),
+            "weights": bitwise_equal([st.params, st.compute], [saved.state.params, saved.state.compute]),
+            "moments_loaded": bitwise_equal(snapshot(st.opt), snapshot(saved.state.opt)),
+            "moments_kept": bitwise_equal(snapshot(st.opt), snapshot(before.opt)),
+        }
+    return out
+
+
+def test_engine_load_checkpoint_honours_deepspeeds_keywords(tmp_path):
+    for r in run_ranks(_load_keywords, 2, str(tmp_path), True):
+        every, module, no_opt, no_sched = (r[k] for k in ((), ("load_module_only",), ("load_optimizer_states",),
+                                                             ("load_lr_scheduler_states",)))
+        assert every["weights"] and every["moments_loaded"] and every["steps"] == 2 and every["micro"] == 2
+        assert every["client"] == {"epoch": 3} and every["lr"] == [pytest.approx(1e-2 / 3)]
+        # the weights alone: the engine's optimizer state and counters (1 step) stay
+        assert module["weights"] and module["moments_kept"] and not module["moments_loaded"]
+        assert module["steps"] == 1 and module["micro"] == 1 and module["lr"] == [pytest.approx(1e-2 / 2)]
+        # everything but the optimizer state: weights, counters and the torch scheduler
+        assert no_opt["weights"] and no_opt["moments_kept"] and no_opt["steps"] == 2 and no_opt["micro"] == 2
+        assert no_opt["lr"] == [pytest.approx(1e-2 / 2)]  # the groups' lr is optimizer state: kept
+        # the scheduler stays where it was (one step); the groups' lr is the loaded optimizer's
+        assert no_sched["weights"] and no_sched["moments_loaded"] and no_sched["steps"] == 2
+        assert no_sched["lr"] == [pytest.approx(1e-2 / 3)] and no_sched["sched"] == 1
+        assert every["sched"] == 2
+
+
+def test_engine_load_checkpoint_refuses_keywords_it_cannot_honour(tmp_path):
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3}}}
+    engine, *_ = zfunc.initialize(model=MODELS["gpt"][0](), config=cfg)
+    engine.save_checkpoint(str(tmp_path))
+    kept = snapshot(engine.state)
+    for kw, match in (({"load_module_strict": False}, "load_module_strict=False"),
+                      ({"custom_load_fn": print}, "custom_load_fn"),
+                      ({"load_lr_scheduler_states": False}, "same value for both"),
+                      ({"load_optimizer_states": False}, "same value for both")):
+        with pytest.raises(ValueError, match=match):
+            engine.load_checkpoint(str(tmp_path), **kw)
+        assert bitwise_equal(kept, snapshot(engine.state))
+    both = engine.load_checkpoint(str(tmp_path), load_optimizer_states=False, load_lr_scheduler_states=False)
+    assert both[0].endswith("global_step0")
+
+
 @pytest.mark.timeout(300)
 def test_elastic_restart_under_torchrun_resumes_bitwise(tmp_path):
     script = os.path.join(os.path.dirname(__file__), "elastic_job.py")

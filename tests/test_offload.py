@@ -118,3 +118,44 @@ def test_offload_bad_values():
         zfunc.Config(offload_optimizer="nvme")
     with pytest.raises(zfunc.ConfigError, match="offload_optimizer: needs stage 1, 2 or 3"):
         zfunc.Config(stage=0, offload_optimizer="cpu")
+
+
+def _with_a_skipped_step(rank: int, stage: int, precision: str, offload: str | None) -> tuple:
+    """Two steps, a step skipped by a non-finite gradient on the last rank, two more steps; the
+    state's tensors after the first two, after the skip and at the end, and the skip flag."""
+    world = zfunc.comm.world().size
+    make, loss_fn, batch_fn = MODELS["zoo"]
+    torch.manual_seed(0)
+    state = zfunc.init(make(), _cfg(stage, precision, offload))
+    step = zfunc.train_step(loss_fn)
+    for i in range(2):
+        state = step(state, batch_fn(i, rank, 4))
+    before = _everything(state)
+    for k, mb in enumerate(zfunc.train.split_micro_batches(batch_fn(2, rank, 4), 2)):
+        if k == 1 and rank == world - 1:  # before the last micro-batch (whose backward reduces at stages 0-1)
+            grads = state.grads.clone()
+            grads[grads.numel() // 2] = float("nan")
+            state = state.replace(grads=grads)
+        state, _ = zfunc.backward_step(state, loss_fn, mb)
+    state = zfunc.apply_step(state)
+    skipped = _everything(state)
+    compute_kept = state.metrics.skipped.item() == 1 and bitwise_equal([before[0]], [skipped[0]])
+    for i in range(3, 5):
+        state = step(state, batch_fn(i, rank, 4))
+    return before, skipped, _everything(state), state.metrics.skipped.item(), compute_kept
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_skipped_step_under_offload_keeps_the_forward_weights(world):
+    # The offloaded pass writes the new compute copy into a fresh host buffer; a skipped pass
+    # writes nothing there, and nothing of it may reach the weights the forward uses.
+    for stage in (1, 2, 3):
+        for precision in PRECISIONS:
+            plain = run_ranks(_with_a_skipped_step, world, stage, precision, None)
+            off = run_ranks(_with_a_skipped_step, world, stage, precision, "cpu")
+            for rank, (p, o) in enumerate(zip(plain, off)):
+                case = f"rank {rank} stage {stage} {precision}"
+                assert o[4] and p[4], f"{case}: the step was not skipped, or it changed the compute copy"
+                for k, what in enumerate(("before the skip", "after the skip", "two steps later")):
+                    assert bitwise_equal(p[k], o[k]), f"{case}: offloaded training differs {what}"
+                assert p[3] == o[3] == 0.0, case  # the later steps were applied (finite weights)

@@ -53,6 +53,32 @@ def test_save_refuses_what_is_not_a_zfunc_checkpoint(tmp_path):
     assert torch.equal(zfunc.load(str(empty), like=state).params, state.params)
 
 
+def test_a_save_over_a_checkpoint_keeps_the_users_files(tmp_path):
+    path = tmp_path / "ckpt"
+    first, second = _trained(1), _trained(2)
+    zfunc.save(first, str(path))
+    (path / "tokenizer.json").write_text('{"vocab": 7}')
+    (path / "assets").mkdir()
+    (path / "assets" / "notes.txt").write_text("keep me")
+    zfunc.save(second, str(path))  # replaces the checkpoint; the user's files go on with it
+    assert (path / "tokenizer.json").read_text() == '{"vocab": 7}'
+    assert (path / "assets" / "notes.txt").read_text() == "keep me"
+    assert torch.equal(zfunc.load(str(path), like=first).params, second.params)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # the old checkpoint's own files are gone
+    # A save's leftovers are tidied only when they hold nothing else: one holding a file of the
+    # user's (say, a crash after the moves) is kept whole, one holding only ours is removed
+    mixed, plain = tmp_path / "ckpt.old-crashed", tmp_path / "ckpt.tmp-crashed"
+    for d, names in ((mixed, ("meta.json", "__0_0.distcp", "mine.txt")), (plain, ("meta.json", "__0_0.distcp"))):
+        d.mkdir()
+        for name in names:
+            (d / name).write_text("x")
+    zfunc.save(first, str(path))
+    assert sorted(os.listdir(mixed)) == ["__0_0.distcp", "meta.json", "mine.txt"] and not plain.exists()
+    assert (path / "tokenizer.json").exists()
+    zfunc.commit.discard(str(mixed))  # and discard itself leaves what a save did not write
+    assert os.listdir(mixed) == ["mine.txt"]
+
+
 def test_a_failed_save_leaves_nothing_behind(tmp_path):
     state = _trained(1)
     path = str(tmp_path / "ckpt")

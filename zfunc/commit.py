@@ -6,23 +6,22 @@ The protocol (rank 0 does the file-system steps; the data itself is written by e
    anything else (a file, a directory of the user's) is refused before anything is written.
 2. The new checkpoint is written beside it, into ``path.tmp-<token>``, and marked complete
    (the ``COMPLETE`` file is written last, after an fsync of everything else).
-3. ``commit``: ``path`` -> ``path.old-<token>`` (rename), ``path.tmp-<token>`` -> ``path``
-   (rename), then the old one is discarded (its marker first, so a half-deleted directory is
-   never taken for a complete one).
+3. ``commit``: what the user keeps in ``path`` beside zfunc's files (a tokenizer, notes) is moved
+   into the new checkpoint; ``path`` -> ``path.old-<token>`` (rename), ``path.tmp-<token>`` ->
+   ``path`` (rename), then the old one is discarded (its marker first, so a half-deleted
+   directory is never taken for a complete one).
 
 A crash before step 3's first rename leaves the old checkpoint at ``path``; a crash between the
 renames leaves no ``path`` but two complete siblings, and ``locate`` (what `zfunc.load` reads
 through) then finds the new one; after the second rename ``path`` is the new one. The next
-`zfunc.save` to the same path first finishes such an interrupted commit (``recover``). Only
-directories named ``path.tmp-*`` / ``path.old-*`` that hold nothing but what a save writes are
-ever deleted.
+`zfunc.save` to the same path first finishes such an interrupted commit (``recover``). A save
+deletes only the files a save writes (``ours``): a directory holding anything else is kept.
 """
 
 from __future__ import annotations
 
 import glob
 import os
-import shutil
 
 from zfunc.errors import CheckpointError
 
@@ -101,6 +100,9 @@ def commit(tmp: str, path: str, token: str) -> None:
     """Put the complete checkpoint ``tmp`` at ``path``, replacing the one there (see above)."""
     old = f"{path}.old-{token}"
     if os.path.isdir(path):
+        for name in os.listdir(path):  # the user's files go on with the checkpoint that replaces ours
+            if not _written_by_save(name) and not os.path.lexists(os.path.join(tmp, name)):
+                os.replace(os.path.join(path, name), os.path.join(tmp, name))
         os.replace(path, old)
     os.replace(tmp, path)
     discard(old)
@@ -110,18 +112,50 @@ def commit(tmp: str, path: str, token: str) -> None:
                 discard(d)
 
 
+def _written_by_save(name: str) -> bool:
+    """Whether a file of this name in a checkpoint directory is one a zfunc save writes."""
+    return name in (MARKER, META, "extra.pt", ".metadata") or name.endswith(".distcp")
+
+
 def ours(d: str) -> bool:
-    """Whether directory ``d`` holds nothing but what a zfunc save writes."""
-    names = {MARKER, META, "extra.pt", ".metadata"}
-    return os.path.isdir(d) and all(n in names or n.endswith(".distcp") for n in os.listdir(d))
+    """Whether directory ``d`` holds nothing but what a zfunc save writes.
+
+    Examples:
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> open(d + "/meta.json", "w").close()
+        >>> ours(d)
+        True
+        >>> open(d + "/tokenizer.json", "w").close()
+        >>> ours(d)
+        False
+    """
+    return os.path.isdir(d) and all(_written_by_save(n) for n in os.listdir(d))
 
 
 def discard(d: str) -> None:
-    """Delete a checkpoint directory of ours, its completion marker first."""
+    """Delete the files a save wrote in directory ``d``, its completion marker first, and the
+    directory once empty; anything else in it (and so ``d``) is left where it is.
+
+    Examples:
+        >>> import os, tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> for name in ("COMPLETE", "meta.json", "notes.txt"):
+        ...     open(os.path.join(d, name), "w").close()
+        >>> discard(d)
+        >>> os.listdir(d)
+        ['notes.txt']
+    """
     if not os.path.isdir(d):
         return
+    names = sorted(os.listdir(d), key=lambda n: n != MARKER)  # the marker first
+    for name in names:
+        if _written_by_save(name):
+            try:
+                os.remove(os.path.join(d, name))
+            except (FileNotFoundError, IsADirectoryError, PermissionError):
+                pass
     try:
-        os.remove(os.path.join(d, MARKER))
-    except FileNotFoundError:
-        pass
-    shutil.rmtree(d, ignore_errors=True)
+        os.rmdir(d)
+    except OSError:
+        pass  # not empty: it holds something a save did not write

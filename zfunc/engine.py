@@ -14,6 +14,7 @@ module's own parameter storage is freed, as DeepSpeed's ZeRO-3 does).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -193,9 +194,7 @@ class Engine:
         st = record_micro(self._state, self._state.grads, loss=self._pending_loss, fold=self._fold)
         self._pending_loss, self._fold = None, None
         if boundary:
-            for g, values in self.optimizer.changes():  # live edits of optimizer.param_groups
-                st = set_hyperparams(st, g, **values)
-            st = apply_step(st, donate=True)
+            st = apply_step(self._with_group_edits(st), donate=True)
             point_sinks(self._sinks, st, st.grads)  # released: the step's gradient buffer is freed
             self.global_samples += self._batch.train_batch_size if self._batch else 0
         self._state = st  # the same parameter buffers: the module's views stay valid
@@ -209,6 +208,12 @@ class Engine:
             # As DeepSpeed: a torch scheduler advances after each applied step (not a skipped one).
             getattr(self.lr_scheduler, "optimizer", self.optimizer)._opt_called = True
             self.lr_scheduler.step(**(lr_kwargs or {}))
+
+    def _with_group_edits(self, st: TrainState) -> TrainState:
+        """``st`` with the live edits of ``optimizer.param_groups`` (a hand-set or scheduled lr)."""
+        for g, values in self.optimizer.changes():
+            st = set_hyperparams(st, g, **values)
+        return st
 
     def zero_grad(self) -> None:
         """Drop the gradients accumulated since the last step."""
@@ -286,8 +291,9 @@ class Engine:
         Every rank writes its own pieces (`zfunc.save`); ``client_state`` is stored as is.
         """
         tag = _check_tag(tag if tag is not None else f"global_step{self.global_steps}")
+        self._state = self._with_group_edits(self._state)  # the groups' lr as the optimizer shows it
         extra = {"client_state": client_state, "micro_steps": self.micro_steps,
-                 "global_samples": self.global_samples}
+                 "global_samples": self.global_samples, "lr_scheduler": self._torch_scheduler_state()}
         save(self._state, os.path.join(os.fspath(save_dir), tag), extra=extra)
         if save_latest and self._state.group.rank == 0:
             tmp = os.path.join(os.fspath(save_dir), f".latest-{os.getpid()}")
@@ -297,12 +303,24 @@ class Engine:
         comm.all_gather_object(None, self._state.group)  # barrier: `latest` is in place
         return True
 
-    def load_checkpoint(self, load_dir: str | os.PathLike, tag: Any = None) -> tuple[str | None, Any]:
+    def load_checkpoint(self, load_dir: str | os.PathLike, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str | None, Any]:
         """Load ``load_dir/tag`` (default: the tag in ``load_dir/latest``) into the engine.
 
         Returns ``(path, client_state)``, or ``(None, None)`` when there is no ``latest``.
-        The world size and ZeRO stage may differ from the saving run's.
+        The world size and ZeRO stage may differ from the saving run's. DeepSpeed's keywords
+        keep their meaning: ``load_module_only=True`` loads the weights (master, compute copy,
+        frozen parameters, buffers) and nothing else; ``load_optimizer_states=False`` keeps the
+        engine's optimizer state (moments, step count, hyperparameters, loss scale) and loads the
+        rest; ``load_lr_scheduler_states=False`` keeps the engine's torch scheduler. A config
+        ``scheduler`` follows the optimizer's step count, so it comes with the optimizer state:
+        asking for one without the other is refused. Refused as well (with what to do
+        instead): ``load_module_strict=False`` and ``custom_load_fn``. Nothing is changed when a
+        load is refused or fails.
         """
+        self._check_load_keywords(load_module_strict, load_optimizer_states, load_lr_scheduler_states,
+                                  load_module_only, custom_load_fn)
         if tag is None:
             latest = os.path.join(os.fspath(load_dir), "latest")
             if not os.path.isfile(latest):
@@ -311,10 +329,42 @@ class Engine:
                 tag = f.read().strip()
         path = os.path.join(os.fspath(load_dir), _check_tag(tag))
         extra = read_extra(path)
-        self.state = load(path, like=self._state)
+        loaded, current = load(path, like=self._state), self._with_group_edits(self._state)
+        if load_module_only:  # the weights alone: counters, optimizer and scaler stay the engine's
+            loaded = loaded.replace(step=current.step, opt=current.opt, hyper=current.hyper, scaler=current.scaler)
+        elif not load_optimizer_states:  # DeepSpeed keeps its skipped-step counter apart from the scaler
+            loaded = loaded.replace(opt=current.opt, hyper=current.hyper,
+                                    scaler=dataclasses.replace(current.scaler, skipped=loaded.scaler.skipped))
+        self.state = loaded
         self.optimizer.write_back()  # the loaded hyperparameters (e.g. a hand-set lr) in the groups
-        self.micro_steps, self.global_samples = extra["micro_steps"], extra["global_samples"]
+        if not load_module_only:
+            self.micro_steps, self.global_samples = extra["micro_steps"], extra["global_samples"]
+            stored = extra.get("lr_scheduler")
+            if load_lr_scheduler_states and stored is not None and hasattr(self.lr_scheduler, "load_state_dict"):
+                self.lr_scheduler.load_state_dict(stored)
         return path, extra["client_state"]
+
+    def _check_load_keywords(self, strict: bool, optimizer_states: bool, scheduler_states: bool,
+                             module_only: bool, custom_load_fn: Any) -> None:
+        """Refuse the `load_checkpoint` keywords zfunc cannot honour, naming what to do instead."""
+        if not strict:
+            raise ValueError("load_checkpoint(load_module_strict=False): zfunc loads only a checkpoint of this "
+                             "model (every parameter and buffer, same shapes). To start from part of one, export "
+                             "its weights (zfunc.export(path, file)), load them into the module, then initialize")
+        if custom_load_fn is not None:
+            raise ValueError("load_checkpoint(custom_load_fn=...): not supported; load with "
+                             "zfunc.load(path, like=engine.state), change the state, and assign engine.state")
+        if (self.config.lr_schedule is not None and not module_only
+                and bool(optimizer_states) != bool(scheduler_states)):
+            raise ValueError(
+                f"load_checkpoint(load_optimizer_states={optimizer_states}, load_lr_scheduler_states="
+                f"{scheduler_states}): the config's 'scheduler' follows the optimizer's step count, so its state "
+                "comes and stays with the optimizer's; pass the same value for both")
+
+    def _torch_scheduler_state(self) -> dict[str, Any] | None:
+        """The state of a torch scheduler passed to `initialize` (a config schedule has none)."""
+        sched = self.lr_scheduler
+        return sched.state_dict() if hasattr(sched, "state_dict") and hasattr(sched, "load_state_dict") else None
 
     def module_state_dict(self) -> dict[str, torch.Tensor]:
         """The trained model's full state dict (parameters in the compute dtype, buffers), under

@@ -161,6 +161,10 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
     gradient on any rank) the step is skipped on every rank: parameters and moments stay bitwise
     unchanged, the loss scale backs off, and ``metrics.skipped`` is 1.
 
+    The gradient is the mean over the micro-batches run since the last step on all ranks: after
+    ``grad_accum`` of them on every rank, as configured; after fewer (an epoch's short last
+    accumulation), the mean over those actually seen, never their sum divided by ``grad_accum``.
+
     Args:
         state: the `TrainState`.
         donate: update ``state``'s buffers in place (``state`` must not be used again); without
@@ -201,7 +205,11 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
         agreed = comm.all_reduce(torch.cat([stats if state.mesh.replicas.rank == 0 else torch.zeros_like(stats),
                                             local]), "sum", group)
     found_inf = (agreed[0] > 0).to(torch.float32)
-    inv_scale = (1.0 / state.scaler.scale).to(torch.float32)
+    # Each micro-batch's gradient came in times 1 / (grad_accum * world): after fewer micro-batches
+    # than that (an epoch's short last accumulation) the step uses their mean, not their sum over
+    # grad_accum * world. The factor is exactly 1 after a full accumulation.
+    mean = (cfg.grad_accum * group.size) / torch.clamp(agreed[-1], min=1.0)
+    inv_scale = (1.0 / state.scaler.scale).to(torch.float32) * mean
     grad_norm = agreed[1].sqrt() * inv_scale
     if cfg.clip_value > 0:
         clip_coef = torch.clamp(cfg.clip_value / (grad_norm + 1e-6), max=1.0)
@@ -246,8 +254,8 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
         opt.fused(part(master), part(grad), [part(s) for s in slots], scalars,
                   {name: values[g] for name, values in table.items()}, part(compute_out))
 
-    if compute_out is not target:  # the updated compute-dtype shard back to the device
-        target.copy_(compute_out, non_blocking=compute_out.is_pinned())
+    if compute_out is not target and not bool(k_skip):  # the updated compute-dtype shard back to the
+        target.copy_(compute_out, non_blocking=compute_out.is_pinned())  # device (a skipped pass wrote none)
     # Gather the updated compute parameters where forward reads them in full: with units, piece
     # by piece, waited for by the next forward (zfunc.regather); else before returning.
     gathering = None
