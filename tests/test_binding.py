@@ -67,7 +67,7 @@ def _bn_purity(rank: int, stage: int, precision: str) -> dict:
     d2 = zfunc.apply_step(d1, donate=True)
     name = "blocks.0.1.running_mean"
     return {"pure": pure_bwd and pure_apply, "same": bitwise_equal(snapshot(s2), snapshot(d2)),
-            "moved": not torch.equal(s1.buffers[name], before_buffer(before, state, name)),
+            "moved": not torch.equal(s1.buffers[name], before_buffer(before, s1, name)),  # (state was donated)
             "counted": s1.buffers["blocks.0.1.num_batches_tracked"].item(),
             "dtype": str(s1.buffers[name].dtype), "buffer0": s1.buffers[name].float().sum().item(),
             "init_mean": init_mean}

@@ -83,8 +83,9 @@ def _reload(rank: int, stage: int, path: str, more: int):
     state = zfunc.load(path, like=_fresh(stage, False))
     gathered = {role: gather_by_name(state, t) for role, t in
                 (("master", state.params), ("mu", state.opt.mu), ("nu", state.opt.nu))}
-    after = zfunc.full_params(_train(state, 3, 3 + more, rank, world))
-    return gathered, after, state.opt.count.item()
+    count = state.opt.count.item()
+    after = zfunc.full_params(_train(state, 3, 3 + more, rank, world))  # donates state
+    return gathered, after, count
 
 
 def test_reshard_across_world_sizes_and_stages(tmp_path):

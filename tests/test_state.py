@@ -23,9 +23,10 @@ def _purity(rank: int, stage: int) -> tuple[bool, bool, bool]:
     unchanged_apply = _bitwise_equal(mid, _snapshot(s1))
     # With donation: the same result, computed in the input's buffers.
     d1, _ = zfunc.backward_step(state, loss_fn, b, donate=False)
+    given = d1.opt.mu.data_ptr(), d1.params.data_ptr()
     d2 = zfunc.apply_step(d1, donate=True)
     same = _bitwise_equal(_snapshot(s2), _snapshot(d2))
-    reused = d2.opt.mu.data_ptr() == d1.opt.mu.data_ptr() and d2.params.data_ptr() == d1.params.data_ptr()
+    reused = (d2.opt.mu.data_ptr(), d2.params.data_ptr()) == given
     return unchanged_bwd and unchanged_apply, same, reused
 
 
@@ -36,6 +37,41 @@ def test_pure_without_donation_identical_with_it():
                 assert pure, f"stage {stage} world {world} rank {rank}: input state changed"
                 assert same, f"stage {stage} world {world} rank {rank}: donated result differs"
                 assert reused, f"stage {stage} world {world} rank {rank}: donation copied the optimizer state"
+
+
+def _donated_reuse(rank: int, stage: int) -> list[str]:
+    """Every way of using a donated state again; the message each gives (all must refuse)."""
+    make, loss_fn, batch_fn = MODELS["zoo"]
+    torch.manual_seed(0)
+    state = zfunc.init(make(), zfunc.Config(stage=stage, grad_accum=2))
+    b = batch_fn(0, rank, 2)
+    s1, _ = zfunc.backward_step(state, loss_fn, b, donate=True)
+    s2 = zfunc.accumulate(s1, {}, donate=True)
+    s3 = zfunc.apply_step(s2, donate=True)
+    out, pullback = zfunc.vjp(s3, lambda m, x: loss_fn(m, x), b, donate=True)
+    s4 = pullback(torch.ones(()))
+    uses = [lambda: zfunc.backward_step(state, loss_fn, b), lambda: zfunc.accumulate(s1, {}),
+            lambda: zfunc.apply_step(s2), lambda: zfunc.vjp(s3, loss_fn, b),
+            lambda: zfunc.full_params(s2), lambda: s2.params + 1, lambda: s2.params.sum(), lambda: torch.add(s3.compute, 1),
+            lambda: float(s1.step), lambda: s2.opt.count]
+    said = []
+    for use in uses:
+        try:
+            use()
+            said.append("no error")
+        except RuntimeError as e:
+            said.append(str(e))
+    # the states returned train on, and their static fields stay readable on the donated ones
+    s4 = zfunc.apply_step(s4)
+    assert s4.step.item() == 2 and state.cfg.stage == stage
+    return said
+
+
+def test_a_donated_state_refuses_every_further_use():
+    for stage in (0, 1, 2, 3):
+        for rank, said in enumerate(run_ranks(_donated_reuse, 2, stage)):
+            for message in said:
+                assert "donated to" in message and "donate=True" in message, (stage, rank, message)
 
 
 def _memory(rank: int, stage: int) -> tuple[dict, int, int, dict, dict, dict]:

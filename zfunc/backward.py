@@ -29,6 +29,7 @@ from zfunc import comm
 from zfunc._tree import tree
 from zfunc.binding import BoundModel, cotangent_factor
 from zfunc.buckets import Fold, reduce_group
+from zfunc.donation import check_live, donate_
 from zfunc.state import TrainState, accumulator
 
 __all__ = ["backward_step", "vjp", "accumulate", "record_micro", "check_room", "sinks_into", "point_sinks",
@@ -50,6 +51,7 @@ def check_room(state: TrainState, what: str) -> None:
         ...     print(str(e)[:74])
         backward_step: grad_accum=1 micro-batches are accumulated already; call ap
     """
+    check_live(state, what)
     n, ga = int(state.micro_step), state.cfg.grad_accum
     if n >= ga:
         raise RuntimeError(
@@ -197,6 +199,8 @@ def backward_step(state: TrainState, loss_fn: Callable[..., Any], batch: Any, *,
     loss.backward()  # into `grads` through the sinks (plain backward: reentrant checkpointing works)
     loss = loss.detach().reshape(())
     new = record_micro(state, grads, loss=loss, buffers=model.buffers, fold=fold)
+    if donate:
+        donate_(state, "backward_step")
     return new, ((loss, aux) if has_aux else loss)
 
 
@@ -280,6 +284,8 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
         calls["retained"] = retain_graph
         torch.autograd.backward(outs, cots, retain_graph=retain_graph)
         new = record_micro(state, grads, loss=loss, buffers=model.buffers, fold=fold)
+        if donate:
+            donate_(state, "vjp")
         if not argnums:
             return new
         return new, tuple(torch.zeros_like(a) if a.grad is None else a.grad for a in wrt)
@@ -325,4 +331,7 @@ def accumulate(state: TrainState, grads: dict[str, torch.Tensor], *, loss: torch
     grads = accumulator(state.grads, donate)
     for part, g in zip(grad_views(state, grads), unit_grads):
         part.add_(g)
-    return record_micro(state, grads, loss=loss)
+    new = record_micro(state, grads, loss=loss)
+    if donate:
+        donate_(state, "accumulate")
+    return new

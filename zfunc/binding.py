@@ -402,7 +402,8 @@ class BoundModel:
                 state.binding.unit_order = list(self.gatherer.order)  # the next forward's prefetch hint
         for name in self.buffers:  # a buffer the module reassigned (not updated in place)
             self.buffers[name] = tensors[name]
-        scaled, count = scale_tree(out, cotangent_factor(state))
+        exact = state.cfg.grad_accum * state.group.size == 1 and state.cfg.loss_scale is None
+        scaled, count = scale_tree(out, cotangent_factor(state), exact)
         if count == 0 and torch.is_grad_enabled():
             raise TypeError(
                 f"zfunc found no differentiable tensor in the model's output (a {type(out).__name__}) to "

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zfunc import comm
+from zfunc.errors import refuse_create_graph
 from zfunc.layout import Layout, Slot
 from zfunc.state import raw_compute
 from zfunc.widen import add_into, copy_into
@@ -356,6 +357,7 @@ class _Tap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        refuse_create_graph(torch.is_grad_enabled())
         ctx.take(ctx.key, grad)
         return torch.zeros((), dtype=torch.float32, device=grad.device), None, None, None
 

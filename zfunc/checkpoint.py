@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from zfunc import comm, commit
 from zfunc._tree import tree
 from zfunc.create import full_params, place_master
+from zfunc.donation import check_live
 from zfunc.errors import CheckpointError
 from zfunc.layout import Layout, Unit
 from zfunc.state import TrainState, accumulator_numel, released_grads
@@ -105,6 +106,7 @@ def save(state: TrainState, path: str | os.PathLike, *, extra: dict[str, Any] | 
         >>> torch.equal(again.params, state.params)
         True
     """
+    check_live(state, "save")
     group = state.group
     path = os.path.abspath(os.fspath(path))
     problem, token = None, uuid.uuid4().hex[:12]

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zfunc.errors import refuse_create_graph
 from zfunc.widen import widened
 
 __all__ = ["Group", "world", "all_reduce", "reduce_scatter", "all_gather", "broadcast",
@@ -474,6 +475,7 @@ class _UnitParams(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        refuse_create_graph(torch.is_grad_enabled())  # the sink's .grad would be replaced, not added to
         if ctx.scatter:  # the reduce-scatter only reads its input: no copy to protect the gradient
             wire = grad if grad.dtype == ctx.reduce_dtype else widened(grad.reshape(-1), ctx.reduce_dtype)
             grad = reduce_scatter(wire, "sum", ctx.group)

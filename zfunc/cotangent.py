@@ -33,6 +33,10 @@ _ATOMS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.
 class ScaleCotangent(torch.autograd.Function):
     """Identity forward; backward multiplies the cotangent by ``factor`` (a device scalar).
 
+    A backward that builds a graph through it (``create_graph=True``, ``torch.func.grad`` of
+    the model) is refused unless ``exact``: a gradient of that gradient reaches the parameters
+    without passing the factor, so it would train ``1 / factor`` times too strongly.
+
     Examples:
         >>> import torch
         >>> x = torch.ones(2, requires_grad=True)
@@ -42,27 +46,35 @@ class ScaleCotangent(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    def forward(x: torch.Tensor, factor: torch.Tensor, exact: bool = True) -> torch.Tensor:
         return x.view_as(x)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
         ctx.save_for_backward(inputs[1])
+        ctx.exact = inputs[2] if len(inputs) > 2 else True
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        if torch.is_grad_enabled() and not ctx.exact:
+            raise RuntimeError(
+                "a gradient of a gradient through a zfunc model (create_graph=True, torch.func.grad of the "
+                "model) is exact only with grad_accum * world == 1 and no loss scaling: zfunc puts "
+                "loss_scale / (grad_accum * world) on the model's output cotangent, which second-order terms "
+                "do not pass. Compute such terms with grad_accum=1 on one rank, or outside the zfunc model")
         (factor,) = ctx.saved_tensors
         if grad.dtype == torch.float16:  # a loss scale >= 65536 is inf in fp16: multiply in fp32
-            return (grad.float() * factor).to(torch.float16), None
-        return grad * factor.to(grad.dtype), None
+            return (grad.float() * factor).to(torch.float16), None, None
+        return grad * factor.to(grad.dtype), None, None
 
 
 def _differentiable(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
 
 
-def scale_tree(x: Any, factor: torch.Tensor) -> tuple[Any, int]:
-    """``x`` with every differentiable tensor passed through `ScaleCotangent`, and their count.
+def scale_tree(x: Any, factor: torch.Tensor, exact: bool = True) -> tuple[Any, int]:
+    """``x`` with every differentiable tensor passed through `ScaleCotangent` (``exact``: whether
+    second-order terms through it are right), and their count.
 
     Containers are rebuilt (shallow copies), never changed in place.
 
@@ -88,7 +100,7 @@ def scale_tree(x: Any, factor: torch.Tensor) -> tuple[Any, int]:
             if not _differentiable(t):
                 return t
             count += 1
-            return ScaleCotangent.apply(t, factor)
+            return ScaleCotangent.apply(t, factor, exact)
         if isinstance(t, _ATOMS):
             return t
         if isinstance(t, Mapping):  # a mapping optree does not know, e.g. Hugging Face's ModelOutput

@@ -14,6 +14,7 @@ import torch
 from zfunc import comm
 from zfunc.binding import ModuleBinding, donated_binding
 from zfunc.config import Config
+from zfunc.donation import check_live
 from zfunc.errors import ConfigError
 from zfunc.layout import Layout, make_layout, master_view
 from zfunc.mesh import Mesh, make_mesh
@@ -289,6 +290,7 @@ def full_params(state: TrainState) -> dict[str, torch.Tensor]:
         >>> sorted(p), torch.equal(p["weight"], model.weight.detach())
         (['bias', 'weight'], True)
     """
+    check_live(state, "full_params")
     return gather_by_name(state, state.params)
 
 

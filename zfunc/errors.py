@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["ConfigError", "CheckpointError", "check", "is_number", "is_finite_number", "is_positive_int"]
+__all__ = ["ConfigError", "CheckpointError", "refuse_create_graph", "check", "is_number", "is_finite_number", "is_positive_int"]
 
 
 class ConfigError(ValueError):
@@ -23,6 +23,29 @@ class ConfigError(ValueError):
         ...     print(e)
         stage: expected one of 0, 1, 2, 3, got 5
     """
+
+
+def refuse_create_graph(grad_enabled: bool) -> None:
+    """Refuse a backward with ``create_graph=True`` through zfunc's parameters (in a custom
+    autograd Function's backward, grad mode is on exactly then).
+
+    zfunc adds parameter gradients into the state's buffers in place, outside autograd, so a
+    graph of them cannot be built; an error beats a gradient that goes missing.
+
+    Examples:
+        >>> try:
+        ...     refuse_create_graph(True)
+        ... except RuntimeError as e:
+        ...     print(str(e)[:60])
+        backward(create_graph=True) through a zfunc model's paramet
+    """
+    if grad_enabled:
+        raise RuntimeError(
+            "backward(create_graph=True) through a zfunc model's parameters is not supported: zfunc adds "
+            "parameter gradients into the state's buffers in place, outside autograd. Gradients of gradients "
+            "with respect to the inputs work (a gradient penalty: torch.autograd.grad(loss, inputs, "
+            "create_graph=True), then a plain backward of the penalised loss); call backward without "
+            "create_graph")
 
 
 class CheckpointError(Exception):

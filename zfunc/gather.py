@@ -33,6 +33,7 @@ import torch
 
 from zfunc import comm
 from zfunc.buckets import Collect
+from zfunc.errors import refuse_create_graph
 
 __all__ = ["UnitGatherer", "track_gathered", "check_same_units", "in_backward"]
 
@@ -149,6 +150,7 @@ class _GatherUnit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        refuse_create_graph(torch.is_grad_enabled())
         ctx.reducer.start(ctx.i, grad)
         return torch.zeros((), dtype=torch.float32, device=grad.device), None, None
 

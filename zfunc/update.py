@@ -26,6 +26,7 @@ import torch
 
 import zfunc_kernels
 from zfunc import comm
+from zfunc.donation import check_live, donate_
 from zfunc.layout import master_view
 from zfunc.regather import start_gathers
 from zfunc.scaler import scaler_update
@@ -187,6 +188,7 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
         -0.5077
         -0.8072
     """
+    check_live(state, "apply_step")
     cfg, lay, group = state.cfg, state.layout, state.group
     lrs = learning_rates(state)
     # A schedule's non-finite or negative lr must never reach the weights: on the host (CPU) it is
@@ -272,11 +274,14 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
     metrics = Metrics(loss=agreed[-2] / agreed[-1],  # NaN when no loss is known (or none was run)
                       grad_norm=grad_norm, loss_scale=state.scaler.scale,
                       skipped=skip, lr=lrs[lay.groups[0]])
-    return state.replace(params=master, compute=compute, grads=grads, buffers=_rank0_buffers(state),
-                         opt=opt.state_class(**dict(zip(opt.slots, slots)), count=count), scaler=scaler,
-                         step=state.step + 1,
-                         micro_step=torch.zeros_like(state.micro_step), loss_sum=torch.zeros_like(state.loss_sum),
-                         metrics=metrics, reduced=False, gathering=gathering)
+    new = state.replace(params=master, compute=compute, grads=grads, buffers=_rank0_buffers(state),
+                        opt=opt.state_class(**dict(zip(opt.slots, slots)), count=count), scaler=scaler,
+                        step=state.step + 1,
+                        micro_step=torch.zeros_like(state.micro_step), loss_sum=torch.zeros_like(state.loss_sum),
+                        metrics=metrics, reduced=False, gathering=gathering)
+    if donate:
+        donate_(state, "apply_step")
+    return new
 
 
 def _clone(t: torch.Tensor) -> torch.Tensor:
