@@ -213,3 +213,62 @@ def test_state_is_a_pytree_in_the_zfunc_namespace():
     doubled = zfunc.tree.map(lambda t: t * 2 if t.is_floating_point() else t, state)
     assert torch.equal(doubled.params, state.params * 2)
     assert state.replace(step=state.step + 5).step.item() == 5 and state.step.item() == 0
+
+
+def _copies(rank: int, stage: int, how: str) -> tuple[bool, bool]:
+    """A state copied (deepcopy, or pickle at world 1) after one step trains bit for bit as the
+    original, with activation checkpointing, apart from it (stepping the copy leaves it as it was)."""
+    import copy
+    import pickle
+
+    from tests.test_checkpointing import _model
+    from tests.test_stage3 import _stack_loss
+
+    units = ["blocks.0"] if stage == 3 else None
+    cfg = zfunc.Config(stage=stage, grad_accum=2, clip=1.0, persist_threshold=0, units=units,
+                       optimizer=zfunc.adamw(lr=1e-2))
+    g = torch.Generator().manual_seed(rank)
+    batches = [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(4)]
+
+    def step(state, bs):
+        for b in bs:
+            state, _ = zfunc.backward_step(state, _stack_loss, b)
+        return zfunc.apply_step(state)
+
+    state = step(zfunc.init(_model("nonreentrant"), cfg), batches[:2])
+    kept = _snapshot(state)
+    twin = copy.deepcopy(state) if how == "deepcopy" else pickle.loads(pickle.dumps(state))
+    trained_twin = step(twin, batches[2:])
+    untouched = _bitwise_equal(kept, _snapshot(state))
+    trained = step(state, batches[2:])
+    return untouched, _bitwise_equal(_snapshot(trained), _snapshot(trained_twin))
+
+
+def test_a_copied_or_pickled_state_trains_like_the_original():
+    for stage in (0, 1, 2, 3):
+        for world, how in ((1, "deepcopy"), (2, "deepcopy"), (1, "pickle")):
+            for rank, (untouched, same) in enumerate(run_ranks(_copies, world, stage, how)):
+                case = f"stage {stage} world {world} {how} rank {rank}"
+                assert untouched, f"{case}: training the copy changed the original"
+                assert same, f"{case}: the copy trains differently from the original"
+
+
+def test_init_leaves_no_hook_once_its_states_are_gone():
+    import gc
+
+    def hooks(m: torch.nn.Module) -> int:
+        return sum(len(getattr(x, d)) for x in m.modules() for d in ("_forward_pre_hooks", "_forward_hooks"))
+
+    gc.disable()  # reference counting alone frees them: no cycle
+    try:
+        for stage in (0, 1, 2, 3):
+            model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+            cfg = zfunc.Config(stage=stage, units=["0"] if stage else None, persist_threshold=0)
+            states = [zfunc.init(model, cfg) for _ in range(3)]
+            assert hooks(model) > 0
+            later, _ = zfunc.backward_step(states[0], lambda m, x: m(x).sum(), torch.ones(2, 3))
+            later = zfunc.apply_step(later)
+            del states, later
+            assert hooks(model) == 0, stage
+    finally:
+        gc.enable()

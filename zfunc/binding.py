@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -36,23 +37,39 @@ from zfunc.regather import ROOT, GatherPlan, Unbound, UnitViews, plan_gathers
 if TYPE_CHECKING:
     from zfunc.state import TrainState
 
-__all__ = ["ModuleBinding", "BoundModel", "donated_binding"]
+__all__ = ["ModuleBinding", "BoundModel", "was_donated"]
 
 # The forward call running now (set by `BoundModel.__call__`).
 _CURRENT: contextvars.ContextVar[BoundModel | None] = contextvars.ContextVar("zfunc_call", default=None)
-# Modules whose parameter storage `init(..., donate=True)` took, and the binding that took it.
-_DONATED: weakref.WeakKeyDictionary[torch.nn.Module, ModuleBinding] = weakref.WeakKeyDictionary()
+# Modules whose parameter storage `init(..., donate=True)` took (empty for good).
+_DONATED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+# The forward-hook dicts of a module that zfunc's hooks live in (for a copy of the module).
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs",
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 
 
-def donated_binding(module: torch.nn.Module) -> ModuleBinding | None:
-    """The binding that owns ``module``'s parameters, if ``module`` was donated to one.
+def was_donated(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s parameters were donated to a state (``init(..., donate=True)``).
 
     Examples:
         >>> import torch
-        >>> donated_binding(torch.nn.Linear(1, 1)) is None
-        True
+        >>> was_donated(torch.nn.Linear(1, 1))
+        False
     """
-    return _DONATED.get(module)
+    return module in _DONATED
+
+
+def _refuse_donated(module: torch.nn.Module) -> None:
+    raise RuntimeError(
+        f"{type(module).__name__} was donated to a zfunc state (init(..., donate=True)): its parameters live "
+        "in the state now. Run it through zfunc (backward_step, vjp, train_step or the engine), or read the "
+        "weights with zfunc.full_params")
+
+
+def _remove(handles: list[RemovableHandle]) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
 
 
 class ModuleBinding:
@@ -79,8 +96,12 @@ class ModuleBinding:
     def __init__(self, module: torch.nn.Module, layout: Layout, stage: int,
                  units: Sequence[tuple[str, Sequence[str]]] = ()):
         self.module, self.layout, self.stage = module, layout, stage
+        self._units = tuple((name, tuple(names)) for name, names in units)
         self.donated = False
+        # Every hook holds the binding weakly: once no state holds it, it goes by reference
+        # counting, and its hooks leave the module with it.
         self._handles: list[RemovableHandle] = []
+        weakref.finalize(self, _remove, self._handles)
         self._latest: weakref.ref[UnitGatherer] | None = None  # stage 3: the latest call's gatherer
         self.unit_order: list[int] = []  # stage 3: the units the last forward ran, in order
         self._members: list[Any] = []  # set by `route`
@@ -134,14 +155,19 @@ class ModuleBinding:
         owners: dict[int, list[tuple[str, torch.nn.Module, str]]] = {}
         for slot in self._slots(outside):
             owners.setdefault(id(slot[1]), []).append(slot)
+        me = weakref.ref(self)
 
         def pre(slots: list) -> Any:
             def hook(mod: torch.nn.Module, args: Any) -> None:
-                self._rebind_in(mod, slots)
+                b = me()
+                if b is not None:
+                    b._rebind_in(mod, slots)
             return hook
 
         def post(mod: torch.nn.Module, args: Any, out: Any) -> None:
-            self._rebind_out(mod)
+            b = me()
+            if b is not None:
+                b._rebind_out(mod)
 
         for slots in owners.values():
             mod = slots[0][1]
@@ -203,46 +229,65 @@ class ModuleBinding:
         return None
 
     def _enter_hook(self, i: int, slots: list) -> Any:
+        me = weakref.ref(self)
+
         def hook(mod: torch.nn.Module, args: Any) -> None:
-            call = self._call()
+            b = me()
+            if b is None:
+                return
+            call = b._call()
             if call is not None:
                 call.enter(i, slots)
-            elif self._rebind_in(mod, slots):  # stages 1-2, a forward recomputed in backward
+            elif b._rebind_in(mod, slots):  # stages 1-2, a forward recomputed in backward
                 pass
-            elif self.donated:
-                self._refuse()
+            elif b.donated:
+                b._refuse()
 
         return hook
 
     def _leave_hook(self, i: int) -> Any:
+        me = weakref.ref(self)
+
         def hook(mod: torch.nn.Module, args: Any, out: Any) -> None:
-            call = self._call()
+            b = me()
+            if b is None:
+                return
+            call = b._call()
             if call is not None:
                 call.leave(i)
             else:
-                self._rebind_out(mod)
+                b._rebind_out(mod)
 
         return hook
 
     def _refuse(self, *_: Any) -> None:
         if _CURRENT.get() is None and not _in_backward() and not self._members:  # routed calls are zfunc's
-            raise RuntimeError(
-                f"{type(self.module).__name__} was donated to a zfunc state (init(..., donate=True)): its "
-                "parameters live in the state now. Run it through zfunc (backward_step, vjp, train_step "
-                "or the engine), or read the weights with zfunc.full_params")
+            _refuse_donated(self.module)
 
     def donate(self) -> None:
         """Free the module's own parameter storage (the state holds the parameters) and refuse
         direct calls from now on. What ``init(..., donate=True)`` does."""
-        if self.module in _DONATED:
+        if self.donated:
             return
         named = dict(self.module.named_parameters())
         for name in self.layout.names:  # the trained ones; frozen parameters stay the module's
             p = named[name]
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        self._handles.append(self.module.register_forward_pre_hook(self._refuse))
+        me = weakref.ref(self)
+
+        def refuse(mod: torch.nn.Module, args: Any) -> None:
+            b = me()
+            if b is not None:
+                b._refuse()
+            else:  # the state is gone: its parameters with it; the module stays empty
+                _refuse_donated(mod)
+
+        # These hooks stay when the binding goes: the parameters are empty for good. On the root
+        # and on every module holding trained parameters (a unit module called on its own).
+        holders = {id(owner): owner for _, owner, _ in self._slots(list(self.layout.names))}
+        self._refusing = [m.register_forward_pre_hook(refuse) for m in {id(self.module): self.module, **holders}.values()]
         self.donated = True
-        _DONATED[self.module] = self
+        _DONATED.add(self.module)
 
     def route(self, bound: Callable[[], BoundModel]) -> None:
         """Calls of the module itself run on the state ``bound()`` binds, as calls of the bound
@@ -256,10 +301,13 @@ class ModuleBinding:
             for name, t in named:
                 parent, _, attr = name.rpartition(".")
                 self._members.append((modules[parent], kind, attr, canon[id(t)]))
+        me = weakref.ref(self)
         self._handles.append(self.module.register_forward_pre_hook(
-            lambda mod, args, kwargs: self._route_in(bound, args, kwargs), with_kwargs=True, prepend=True))
+            lambda mod, args, kwargs: me()._route_in(bound, args, kwargs) if me() else None,
+            with_kwargs=True, prepend=True))
         self._handles.append(self.module.register_forward_hook(
-            lambda mod, args, kwargs, out: self._route_out(out), with_kwargs=True, always_call=True))
+            lambda mod, args, kwargs, out: me()._route_out(out) if me() else None, with_kwargs=True,
+            always_call=True))
 
     def _route_in(self, bound: Callable[[], BoundModel], args: tuple, kwargs: dict) -> Any:
         self._frames.append(None)
@@ -303,11 +351,38 @@ class ModuleBinding:
             tensors[name] = entries[attr]  # a buffer the module reassigned is its new value
             entries[attr] = original
 
+    def plain_module(self, memo: dict[int, Any] | None = None) -> torch.nn.Module:
+        """A deep copy of the module without zfunc's hooks (``memo``: `copy.deepcopy`'s).
+
+        Examples:
+            >>> import torch, zfunc
+            >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+            >>> state = zfunc.init(model, zfunc.Config(stage=3, units=["0"], persist_threshold=0))
+            >>> len(model[0]._forward_pre_hooks), len(state.binding.plain_module()[0]._forward_pre_hooks)
+            (1, 0)
+        """
+        ours = {h.id for h in self._handles}
+        if self.donated:
+            ours.update(h.id for h in self._refusing)
+        out = copy.deepcopy(self.module, memo)
+        for m in out.modules():
+            for name in _HOOK_DICTS:
+                hooks = getattr(m, name, None)
+                for i in ours & set(hooks or ()):
+                    del hooks[i]
+        return out
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ModuleBinding:
+        """A binding of its own over a copy of the module: a copied state trains apart from this one."""
+        return _rebuilt(self.plain_module(memo), copy.deepcopy(self.layout, memo), self.stage, self._units,
+                        self.donated)
+
+    def __reduce__(self) -> tuple:
+        return _rebuilt, (self.plain_module(), self.layout, self.stage, self._units, self.donated)
+
     def remove(self) -> None:
         """Take every hook zfunc added to the module away (a donated module stays empty)."""
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        _remove(self._handles)
         self.unit_params = {}
         self._members = []
         self.gather_plan = None  # no hook waits for a unit now: apply_step gathers before returning
@@ -395,6 +470,7 @@ class BoundModel:
         cotangent factor on the outputs."""
         state = self.state
         if self.gatherer is not None:
+            self.gatherer.hub = None  # the graph keeps the collector now (no cycle through it: see gather)
             self.gatherer.drop_ahead()  # what the forward's prefetch gathered and did not use
             if state.group.size > 1 and state.device.type == "cpu":
                 check_same_units(self.gatherer.order, state.group)  # a host read: free on the CPU only
@@ -410,6 +486,15 @@ class BoundModel:
                 "attach the loss scale and 1/(grad_accum * world) to; return tensors, or tuples, lists, "
                 "dicts or dataclasses registered with zfunc.tree")
         return scaled
+
+
+def _rebuilt(module: torch.nn.Module, layout: Layout, stage: int, units: Sequence[tuple[str, Sequence[str]]],
+             donated: bool) -> ModuleBinding:
+    """A binding made afresh (a copied or unpickled state's), donated if the original was."""
+    binding = ModuleBinding(module, layout, stage, units)
+    if donated:
+        binding.donate()
+    return binding
 
 
 def cotangent_factor(state: TrainState) -> torch.Tensor:

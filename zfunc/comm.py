@@ -83,6 +83,9 @@ class Group:
     pg: Any = None
     p2p: Any = None
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Group:
+        return self  # it names process groups: a copied state talks over the same ones
+
     @classmethod
     def of_ranks(cls, ranks: list[int]) -> Group:
         """A new process group over ``ranks`` of the default world (call on every rank).

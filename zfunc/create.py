@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 from zfunc import comm
-from zfunc.binding import ModuleBinding, donated_binding
+from zfunc.binding import ModuleBinding, was_donated
 from zfunc.config import Config
 from zfunc.donation import check_live
 from zfunc.errors import ConfigError
@@ -213,7 +213,7 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
         (0, torch.Size([8]), 8)
     """
     group = group or comm.world()
-    if donated_binding(model) is not None:
+    if was_donated(model):
         raise ConfigError(
             "model: its parameters were donated to another zfunc state by init(..., donate=True) and are "
             "empty now; build the model again (or init it without donate=True the first time)")

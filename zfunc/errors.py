@@ -37,7 +37,7 @@ def refuse_create_graph(grad_enabled: bool) -> None:
         ...     refuse_create_graph(True)
         ... except RuntimeError as e:
         ...     print(str(e)[:60])
-        backward(create_graph=True) through a zfunc model's paramet
+        backward(create_graph=True) through a zfunc model's paramete
     """
     if grad_enabled:
         raise RuntimeError(

@@ -94,19 +94,24 @@ _IN_FLIGHT = 2  # units whose reduce-scatter may still run while backward goes o
 class _UnitReducer:
     """One forward call's stage-3 reduce-scatters, asynchronous: a unit's starts as soon as its
     backward is done and is waited for at most ``_IN_FLIGHT`` units later, or at the end by the
-    collector node (`zfunc.buckets.Collect`), which hands each sink its unit's shard."""
+    collector node (`zfunc.buckets.Collect`), which hands each sink its unit's shard. The graph
+    holds it (the collector's context) and it holds the gatherer weakly: no reference cycle keeps
+    a call, and the state it ran on, alive after its graph is gone."""
 
     def __init__(self, gatherer: UnitGatherer):
-        self.gatherer = gatherer
+        self.state, self.units = gatherer.state, len(gatherer.sinks)
+        self.gatherer = weakref.ref(gatherer)  # the regathered copies and prefetches, while it lives
         self.pending: collections.deque = collections.deque()
         self.results: dict[int, torch.Tensor] = {}
 
     def start(self, i: int, grad: torch.Tensor) -> None:
-        st = self.gatherer.state
+        st = self.state
         wire = grad.to(st.cfg.reduce_dtype)  # only read by the reduce-scatter
         out, handle = comm.reduce_scatter_start(wire, "sum", st.mesh.shard)
         self.pending.append((i, out, handle))
-        self.gatherer._done(i)  # the unit's backward is done: its regathered copy is not needed
+        gatherer = self.gatherer()
+        if gatherer is not None:
+            gatherer._done(i)  # the unit's backward is done: its regathered copy is not needed
         while len(self.pending) > _IN_FLIGHT:
             self._finish_one()
 
@@ -123,9 +128,11 @@ class _UnitReducer:
     def finish(self) -> list[torch.Tensor | None]:
         while self.pending:
             self._finish_one()
-        out = [self.results.pop(i, None) for i in range(len(self.gatherer.sinks))]
+        out = [self.results.pop(i, None) for i in range(self.units)]
         self.results.clear()
-        self.gatherer.drop_ahead()  # backward is over: nothing more to prefetch for
+        gatherer = self.gatherer()
+        if gatherer is not None:
+            gatherer.drop_ahead()  # backward is over: nothing more to prefetch for
         return out
 
 
@@ -178,7 +185,7 @@ class UnitGatherer:
         self.reducer: _UnitReducer | None = None
         if torch.is_grad_enabled() and not in_backward():
             self.reducer = _UnitReducer(self)
-            self.hub = Collect.apply(self.reducer, *sinks)
+            self.hub = Collect.apply(self.reducer, *sinks)  # dropped after forward (the graph keeps it)
         self.depth = state.cfg.prefetch if self.reducer is not None and state.mesh.shard.size > 1 else 0
         me = weakref.ref(self)
         for i, sink in enumerate(sinks):

@@ -255,6 +255,13 @@ class TrainState:
                 pending.wait_all()
         return object.__getattribute__(self, name)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What `copy.deepcopy` and `pickle` copy: every field, the pending all-gather waited
+        for (a copy holds no in-flight handle). The binding copies itself with the module
+        (`zfunc.binding.ModuleBinding.__deepcopy__`), so a copy trains apart from the original."""
+        self.compute  # noqa: B018 - waits for a pending all-gather
+        return {**self.__dict__, "gathering": None}
+
     def replace(self, **changes: Any) -> TrainState:
         """A new state with ``changes``; the tensors not named are shared, not copied."""
         if "compute" in changes:  # a new buffer: the pending gathers were into the old one
