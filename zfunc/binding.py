@@ -30,6 +30,7 @@ from zfunc._tree import tree
 from zfunc.buckets import Bucket, Fold, ShardPool, bucket_views, local_views, plan_buckets
 from zfunc.cotangent import scale_tree
 from zfunc.gather import UnitGatherer, check_same_units
+from zfunc.gather import graph_task
 from zfunc.gather import in_backward as _in_backward
 from zfunc.layout import Layout
 from zfunc.regather import ROOT, GatherPlan, Unbound, UnitViews, plan_gathers
@@ -102,7 +103,6 @@ class ModuleBinding:
         # counting, and its hooks leave the module with it.
         self._handles: list[RemovableHandle] = []
         weakref.finalize(self, _remove, self._handles)
-        self._latest: weakref.ref[UnitGatherer] | None = None  # stage 3: the latest call's gatherer
         self.unit_order: list[int] = []  # stage 3: the units the last forward ran, in order
         self._members: list[Any] = []  # set by `route`
         self._frames: list[Any] = []
@@ -112,9 +112,9 @@ class ModuleBinding:
         self._buckets: tuple[Bucket, ...] | None = None
         self._pool: ShardPool | None = None  # the bucket reducer's result buffers, with the buckets
         self.gather_plan: GatherPlan | None = None  # stages 1-2 with units
-        # Stages 0-2: the parameters of the calls whose backward can still run, for a forward
-        # recomputed in backward (`zfunc.buckets.Rebind`; stage 3 uses the latest call's gatherer),
-        # and what the recompute hooks swapped, per module.
+        # The calls whose backward can still run (a `zfunc.buckets.Rebind` at stages 0-2, a
+        # `UnitGatherer` at stage 3; each graph keeps its own), for a forward recomputed in
+        # backward (`_source`), and what the recompute hooks swapped, per module.
         self._pending: weakref.WeakSet[Any] = weakref.WeakSet()
         self._rebound: dict[int, list[list[tuple[torch.nn.Module, str, Any]]]] = {}
         if stage == 3:
@@ -179,18 +179,7 @@ class ModuleBinding:
         this is in place (stages 0-2: the one call whose graph is alive; two are ambiguous)."""
         if _CURRENT.get() is not None or not _in_backward():
             return False
-        if self.stage == 3:
-            source = self._latest() if self._latest is not None else None
-        else:
-            live = list(self._pending)
-            if len(live) > 1:
-                raise RuntimeError(
-                    f"activation checkpointing recomputes part of {type(self.module).__name__} during backward, "
-                    f"and {len(live)} forward calls of it through zfunc still have their backward pending (the "
-                    "model called twice in one loss, or two vjp pullbacks kept): zfunc cannot tell which call's "
-                    "parameters and gradients the recomputation belongs to. Run each call's backward before the "
-                    "next call, or leave checkpointing out of a model called more than once per backward")
-            source = live[0] if live else None
+        source = self._source()
         if source is None:
             return False
         views = source.views(list(dict.fromkeys(n for n, _, _ in slots)))
@@ -198,6 +187,22 @@ class ModuleBinding:
         for n, owner, attr in slots:
             owner._parameters[attr] = views[n]
         return True
+
+    def _source(self) -> Any:
+        """The call whose backward is running now, for a forward recomputed in it: among the calls
+        whose graph lives, the one this backward entered through its outputs (`ScaleCotangent`
+        notes the graph task on it), else the only one. Two are ambiguous: refused."""
+        live = list(self._pending)
+        task = graph_task()
+        mine = [c for c in live if task in c.tasks] or live
+        if len(mine) > 1:
+            raise RuntimeError(
+                f"activation checkpointing recomputes part of {type(self.module).__name__} during backward, "
+                f"and {len(mine)} forward calls of it through zfunc are differentiated by this backward (the model "
+                "called twice in one loss, or on its own output): zfunc cannot tell which call's parameters and "
+                "gradients the recomputation belongs to. Run each call's backward on its own, or leave "
+                "checkpointing out of a model called more than once per backward")
+        return mine[0] if mine else None
 
     def _rebind_out(self, mod: torch.nn.Module) -> None:
         stack = self._rebound.get(id(mod))
@@ -224,8 +229,8 @@ class ModuleBinding:
         call = _CURRENT.get()
         if call is not None:
             return call.units if call.state.binding is self else None
-        if self.stage == 3 and self._latest is not None and _in_backward():
-            return self._latest()
+        if self.stage == 3 and _in_backward():
+            return self._source()
         return None
 
     def _enter_hook(self, i: int, slots: list) -> Any:
@@ -405,8 +410,10 @@ class BoundModel:
     def __init__(self, state: TrainState, sinks: list[torch.Tensor], buffers: dict[str, torch.Tensor],
                  fold: Fold | None = None):
         self.state, self.sinks, self.buffers, self.fold = state, sinks, buffers, fold
-        self.gatherer: UnitGatherer | None = None  # stage 3, during a call
+        # During a call (`prepare` to `finish`; the call's graph holds what a backward needs):
+        self.gatherer: UnitGatherer | None = None  # stage 3
         self.units: UnitGatherer | UnitViews | None = None  # what the unit modules' hooks bind
+        self.call: Any = None  # the call's `Rebind` or `UnitGatherer` (`ModuleBinding._source`)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         tensors, args, kwargs, contexts = self.prepare(args, kwargs)
@@ -436,7 +443,9 @@ class BoundModel:
             self.units = self.gatherer = gatherer = UnitGatherer(state, self.sinks, hint)
             tensors.update(gatherer.root_views())
             contexts: list[Any] = [gatherer.saved_tensor_hooks()]
-            binding._latest = weakref.ref(gatherer)
+            self.call = gatherer
+            if torch.is_grad_enabled() and not _in_backward():  # a backward will follow (its graph keeps it)
+                binding._pending.add(gatherer)
         else:
             if self.fold is not None:  # stages 0-1, the step's last micro-batch: reduced in backward
                 views, rebind = bucket_views(state, self.sinks[0], binding.buckets(state), binding._pool, self.fold)
@@ -445,6 +454,7 @@ class BoundModel:
             else:  # each gradient added into the local accumulator (a shard of one rank is all of it)
                 views, rebind = local_views(state, self.sinks[0])
             rebind.frozen = state.frozen
+            self.call = rebind
             if torch.is_grad_enabled() and not _in_backward():  # a backward will follow (its graph keeps it)
                 binding._pending.add(rebind)
             pending = state.gathering
@@ -479,7 +489,9 @@ class BoundModel:
         for name in self.buffers:  # a buffer the module reassigned (not updated in place)
             self.buffers[name] = tensors[name]
         exact = state.cfg.grad_accum * state.group.size == 1 and state.cfg.loss_scale is None
-        scaled, count = scale_tree(out, cotangent_factor(state), exact)
+        # From here the call's graph holds the call (its outputs' nodes), the bound model does not
+        call, self.call, self.gatherer, self.units = self.call, None, None, None
+        scaled, count = scale_tree(out, cotangent_factor(state), exact, call)
         if count == 0 and torch.is_grad_enabled():
             raise TypeError(
                 f"zfunc found no differentiable tensor in the model's output (a {type(out).__name__}) to "

@@ -384,6 +384,7 @@ class Rebind:
         self.compute, self.slots, self.take = compute, slots, take
         self.frozen: dict[str, torch.Tensor] = {}  # the call's frozen parameters, by name
         self.anchor: torch.Tensor | None = None
+        self.tasks: set[int] = set()  # the backwards that differentiate this call (`zfunc.gather.graph_task`)
 
     def views(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Parameters ``names`` (trained or frozen) as the call had them."""

@@ -37,6 +37,10 @@ class ScaleCotangent(torch.autograd.Function):
     the model) is refused unless ``exact``: a gradient of that gradient reaches the parameters
     without passing the factor, so it would train ``1 / factor`` times too strongly.
 
+    ``call`` (on a model's outputs): the forward call they came from; the node keeps it as long
+    as the graph lives, and each backward through it notes its graph task in ``call.tasks``, so a
+    forward recomputed later in that backward finds its call from the graph.
+
     Examples:
         >>> import torch
         >>> x = torch.ones(2, requires_grad=True)
@@ -46,16 +50,19 @@ class ScaleCotangent(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(x: torch.Tensor, factor: torch.Tensor, exact: bool = True) -> torch.Tensor:
+    def forward(x: torch.Tensor, factor: torch.Tensor, exact: bool = True, call: Any = None) -> torch.Tensor:
         return x.view_as(x)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
         ctx.save_for_backward(inputs[1])
         ctx.exact = inputs[2] if len(inputs) > 2 else True
+        ctx.call = inputs[3] if len(inputs) > 3 else None
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        if ctx.call is not None:
+            ctx.call.tasks.add(torch._C._current_graph_task_id())
         if torch.is_grad_enabled() and not ctx.exact:
             raise RuntimeError(
                 "a gradient of a gradient through a zfunc model (create_graph=True, torch.func.grad of the "
@@ -64,17 +71,18 @@ class ScaleCotangent(torch.autograd.Function):
                 "do not pass. Compute such terms with grad_accum=1 on one rank, or outside the zfunc model")
         (factor,) = ctx.saved_tensors
         if grad.dtype == torch.float16:  # a loss scale >= 65536 is inf in fp16: multiply in fp32
-            return (grad.float() * factor).to(torch.float16), None, None
-        return grad * factor.to(grad.dtype), None, None
+            return (grad.float() * factor).to(torch.float16), None, None, None
+        return grad * factor.to(grad.dtype), None, None, None
 
 
 def _differentiable(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
 
 
-def scale_tree(x: Any, factor: torch.Tensor, exact: bool = True) -> tuple[Any, int]:
+def scale_tree(x: Any, factor: torch.Tensor, exact: bool = True, call: Any = None) -> tuple[Any, int]:
     """``x`` with every differentiable tensor passed through `ScaleCotangent` (``exact``: whether
-    second-order terms through it are right), and their count.
+    second-order terms through it are right; ``call``: the forward call of a model's outputs), and
+    their count.
 
     Containers are rebuilt (shallow copies), never changed in place.
 
@@ -100,7 +108,7 @@ def scale_tree(x: Any, factor: torch.Tensor, exact: bool = True) -> tuple[Any, i
             if not _differentiable(t):
                 return t
             count += 1
-            return ScaleCotangent.apply(t, factor, exact)
+            return ScaleCotangent.apply(t, factor, exact, call)
         if isinstance(t, _ATOMS):
             return t
         if isinstance(t, Mapping):  # a mapping optree does not know, e.g. Hugging Face's ModelOutput
@@ -135,4 +143,7 @@ def scale_tree(x: Any, factor: torch.Tensor, exact: bool = True) -> tuple[Any, i
             object.__setattr__(out, name, new)
         return out
 
-    return walk(x), count
+    try:
+        return walk(x), count
+    finally:
+        walk = leaf = None  # noqa: F841 - the two closures hold each other: free them without the collector

@@ -35,7 +35,7 @@ from zfunc import comm
 from zfunc.buckets import Collect
 from zfunc.errors import refuse_create_graph
 
-__all__ = ["UnitGatherer", "track_gathered", "check_same_units", "in_backward"]
+__all__ = ["UnitGatherer", "track_gathered", "check_same_units", "in_backward", "graph_task"]
 
 _STATS = {"live": 0, "peak": 0}
 
@@ -85,7 +85,13 @@ class _Recipe:
 def in_backward() -> bool:
     """Whether autograd is running a backward now (reentrant activation checkpointing recomputes a
     forward inside one). A read-only query of autograd's engine; no public equivalent."""
-    return torch._C._current_graph_task_id() != -1
+    return graph_task() != -1
+
+
+def graph_task() -> int:
+    """The id of the backward autograd is running now (-1 outside one): how a forward recomputed
+    in backward finds the call being differentiated (`zfunc.binding.ModuleBinding._source`)."""
+    return torch._C._current_graph_task_id()
 
 
 _IN_FLIGHT = 2  # units whose reduce-scatter may still run while backward goes on
@@ -177,6 +183,7 @@ class UnitGatherer:
         self.saved: set[int] = set()  # places in `order` whose saved tensors backward regathers
         self.ahead: dict[int, tuple[torch.Tensor, Any]] = {}  # prefetched unit -> (buffer, handle)
         self.hint, self.on_track = hint, True
+        self.tasks: set[int] = set()  # the backwards that differentiate this call (`graph_task`)
         self._root_again: dict[str, torch.Tensor] | None = None  # `views`, gathered in backward
         self.expect: list[int] | None = None  # backward's regathers in order, known at the first
         self.next_back = 0  # where backward is in `expect`
