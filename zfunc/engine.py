@@ -67,7 +67,9 @@ class Engine:
         self._pending_loss: torch.Tensor | None = None
         self.state = init(model, cfg, group, donate=cfg.stage == 3)
         # engine.module(x) is engine(x): calls of the module run on the state, gradients included.
-        self._state.binding.route(self._bound)
+        # The engine keeps the binding whose hooks route them (a state assigned later may have another).
+        self._router = self._state.binding
+        self._router.route(self._bound)
         if cfg.stage == 3:
             model.register_state_dict_pre_hook(_no_stage3_state_dict)
         self.optimizer = OptimizerView(self, optimizer_groups)
