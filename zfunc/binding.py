@@ -452,7 +452,7 @@ class BoundModel:
             elif cfg.shards_grads and state.mesh.shard.size > 1:  # reduce-scattered bucket by bucket
                 views, rebind = bucket_views(state, self.sinks[0], binding.buckets(state), binding._pool)
             else:  # each gradient added into the local accumulator (a shard of one rank is all of it)
-                views, rebind = local_views(state, self.sinks[0])
+                views, rebind = local_views(state, self.sinks[0], binding.buckets(state))
             rebind.frozen = state.frozen
             self.call = rebind
             if torch.is_grad_enabled() and not _in_backward():  # a backward will follow (its graph keeps it)

@@ -5,12 +5,14 @@ the contiguous slice ``r``. A *bucket* is a run of whole parameters of that buff
 ``Config.bucket_mb`` of gradient. Buckets are cut from the end of the buffer, so backward
 completes them roughly in order, last layers first (DDP's buckets, DeepSpeed's ``overlap_comm``).
 
-In forward each parameter is its own autograd node (`_Tap`), whose backward runs as soon as
-that parameter's gradient is complete and puts it in place: added into the accumulator where the
-sum will land, or copied into its bucket's staging buffer where it is only sent (no bucket-sized
-gradient is concatenated). When a bucket's last parameter is in, its collectives start,
-asynchronously, and backward goes on computing. Every tap feeds one collector node (`Collect`),
-which autograd runs after the last: it waits for the reductions and hands the result to the sink.
+In forward each bucket is one autograd node (`_Taps`) whose outputs are its parameters, views of
+the compute buffer: one Python node per bucket, not per parameter. Its backward runs once every
+gradient of the bucket's parameters is complete and puts each in place: added into the
+accumulator where the sum will land, or copied into the bucket's staging buffer where it is only
+sent (no bucket-sized gradient is concatenated). Then the bucket's collectives start,
+asynchronously, and backward goes on computing. Every bucket node feeds one collector node
+(`Collect`), which autograd runs after the last: it waits for the reductions and hands the
+result to the sink.
 
 Where backward reduces (`Config.shards_grads`: stage 2, stage 1 at ``grad_accum=1``), each
 bucket is one reduce per rank that owns part of it. The owner's piece is reduced in place in the
@@ -342,10 +344,48 @@ class Collect(torch.autograd.Function):
         return (None, *(None if r is None else r.to(dt) for r, dt in zip(results, ctx.dtypes)))
 
 
+class _Taps(torch.autograd.Function):
+    """A bucket's parameters as views of the compute buffer, one node for all of them
+    (``places``: ``(offset, numel, shape)`` of each). Its backward hands each gradient autograd
+    has for them to ``take(key, grad)`` (none: nothing reached that parameter in this graph; it
+    may come later from a recomputed forward, or adds zeros at the end) and feeds ``hub`` a zero,
+    so the hub's node runs after every bucket's."""
+
+    @staticmethod
+    def forward(hub: torch.Tensor, flat: torch.Tensor, take: Any, keys: tuple, places: tuple) -> tuple:
+        return tuple(flat.narrow(0, offset, n).view(shape) for offset, n, shape in places)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        ctx.take, ctx.keys, ctx.device = inputs[2], inputs[3], inputs[1].device
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
+        refuse_create_graph(torch.is_grad_enabled())
+        for key, grad in zip(ctx.keys, grads):
+            if grad is not None:
+                ctx.take(key, grad)
+        return torch.zeros((), dtype=torch.float32, device=ctx.device), None, None, None, None
+
+
+def _bucket_taps(hub: torch.Tensor, compute: torch.Tensor, take: Any,
+                 buckets: list[list[tuple[Any, Slot]]]) -> dict[str, torch.Tensor]:
+    """Every parameter of ``buckets`` (each a list of ``(key, slot)``) as a view of ``compute``
+    whose gradient reaches ``take(key, grad)``, one `_Taps` node per bucket."""
+    views = {}
+    for bucket in buckets:
+        keys = tuple(key for key, _ in bucket)
+        places = tuple((s.offset, s.numel, s.shape) for _, s in bucket)
+        outs = _Taps.apply(hub, compute, take, keys, places)
+        views.update({s.name: t for (_, s), t in zip(bucket, outs)})
+    return views
+
+
 class _Tap(torch.autograd.Function):
-    """Parameters (a view of the compute buffer) whose backward hands their gradient to
-    ``take(key, grad)`` (a bucket's: start its reduce; a parameter's: add it to the accumulator)
-    and feeds ``hub`` a zero, so the hub's node runs after every tap."""
+    """One parameter (a view of the compute buffer) whose backward hands its gradient to
+    ``take(key, grad)`` and feeds ``hub`` a zero: a forward recomputed in backward (`Rebind`)
+    binds parameters one by one, as its modules ask for them."""
 
     @staticmethod
     def forward(hub: torch.Tensor, params: torch.Tensor, take: Any, key: int) -> torch.Tensor:
@@ -410,8 +450,10 @@ def bucket_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, .
     hub = Collect.apply(reducer, sink)
     compute = raw_compute(state)  # forward waits for a pending all-gather before it reads (zfunc.regather)
     rebind = _keep(hub, Rebind(compute, {s.name: (j, s) for j, (_, s) in enumerate(reducer.slots)}, reducer.take))
-    return ({s.name: _Tap.apply(hub, compute.narrow(0, s.offset, s.numel), reducer.take, j).view(s.shape)
-             for j, (_, s) in enumerate(reducer.slots)}, rebind)
+    by_bucket: list[list[tuple[Any, Slot]]] = [[] for _ in buckets]
+    for j, (k, s) in enumerate(reducer.slots):
+        by_bucket[k].append((j, s))
+    return _bucket_taps(hub, compute, reducer.take, by_bucket), rebind
 
 
 def _keep(hub: torch.Tensor, rebind: Rebind) -> Rebind:
@@ -439,11 +481,12 @@ class _Sink(torch.autograd.Function):
         return torch.zeros((), dtype=ctx.dtype, device=_.device).expand(ctx.shape)
 
 
-def local_views(state: TrainState, sink: torch.Tensor) -> tuple[dict[str, torch.Tensor], Rebind]:
-    """Parameter views of ``state.compute`` (stages 0-1, one unit) whose gradients backward adds
-    one by one into the full local accumulator ``sink.grad``: no flat gradient of the whole unit
-    is assembled first (a concatenation and a fresh unit-sized buffer per micro-batch). Also the
-    call's `Rebind`."""
+def local_views(state: TrainState, sink: torch.Tensor,
+                buckets: tuple[Bucket, ...]) -> tuple[dict[str, torch.Tensor], Rebind]:
+    """Parameter views of ``state.compute`` (stages 0-1, one unit) whose gradients backward adds,
+    bucket by bucket, into the full local accumulator ``sink.grad``: no flat gradient of the whole
+    unit is assembled first (a concatenation and a fresh unit-sized buffer per micro-batch). Also
+    the call's `Rebind`."""
     (unit,) = state.layout.units
 
     def add(start: int, grad: torch.Tensor) -> None:
@@ -452,5 +495,4 @@ def local_views(state: TrainState, sink: torch.Tensor) -> tuple[dict[str, torch.
     compute = raw_compute(state)  # as in `bucket_views`
     hub = _Sink.apply(sink)
     rebind = _keep(hub, Rebind(compute, {s.name: (s.offset, s) for s in unit.slots}, add))
-    return ({s.name: _Tap.apply(hub, compute.narrow(0, s.offset, s.numel), add, s.offset).view(s.shape)
-             for s in unit.slots}, rebind)
+    return _bucket_taps(hub, compute, add, [[(s.offset, s) for s in b.slots] for b in buckets]), rebind
