@@ -105,6 +105,14 @@ class ModuleBinding:
         weakref.finalize(self, _remove, self._handles)
         self.unit_order: list[int] = []  # stage 3: the units the last forward ran, in order
         self._members: list[Any] = []  # set by `route`
+        # The other names of a tied parameter or buffer, by its first name: a call passes the
+        # tensor under every name (torch's tie_weights=True searches the module each call).
+        self.aliases: dict[str, list[str]] = {}
+        for named in (module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)):
+            first: dict[int, str] = {}
+            for name, t in named:
+                if first.setdefault(id(t), name) != name:
+                    self.aliases.setdefault(first[id(t)], []).append(name)
         self._frames: list[Any] = []
         # Unit parameters by name as the module holds them outside their unit's forward
         # (placeholders that refuse to compute), so the enclosing functional_call restores them.
@@ -422,7 +430,11 @@ class BoundModel:
             with contextlib.ExitStack() as stack:
                 for c in contexts:
                     stack.enter_context(c)
-                out = functional_call(self.state.binding.module, tensors, args, kwargs, tie_weights=True, strict=False)
+                binding = self.state.binding
+                for name, others in binding.aliases.items():
+                    if name in tensors:
+                        tensors.update(dict.fromkeys(others, tensors[name]))
+                out = functional_call(binding.module, tensors, args, kwargs, tie_weights=False, strict=False)
         except BaseException:
             if self.gatherer is not None:  # collect the gathers started ahead (the error stays the news)
                 with contextlib.suppress(Exception):

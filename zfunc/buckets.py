@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -346,14 +347,15 @@ class Collect(torch.autograd.Function):
 
 class _Taps(torch.autograd.Function):
     """A bucket's parameters as views of the compute buffer, one node for all of them
-    (``places``: ``(offset, numel, shape)`` of each). Its backward hands each gradient autograd
+    (``places``: ``(offset, shape, stride)`` of each, `_places`). Its backward hands each gradient autograd
     has for them to ``take(key, grad)`` (none: nothing reached that parameter in this graph; it
     may come later from a recomputed forward, or adds zeros at the end) and feeds ``hub`` a zero,
     so the hub's node runs after every bucket's."""
 
     @staticmethod
     def forward(hub: torch.Tensor, flat: torch.Tensor, take: Any, keys: tuple, places: tuple) -> tuple:
-        return tuple(flat.narrow(0, offset, n).view(shape) for offset, n, shape in places)
+        # one as_strided per parameter: a custom Function's view outputs cost per view op
+        return tuple(flat.as_strided(shape, stride, offset) for offset, shape, stride in places)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
@@ -374,12 +376,26 @@ def _bucket_taps(hub: torch.Tensor, compute: torch.Tensor, take: Any,
     """Every parameter of ``buckets`` (each a list of ``(key, slot)``) as a view of ``compute``
     whose gradient reaches ``take(key, grad)``, one `_Taps` node per bucket."""
     views = {}
+    base = compute.storage_offset()
     for bucket in buckets:
         keys = tuple(key for key, _ in bucket)
-        places = tuple((s.offset, s.numel, s.shape) for _, s in bucket)
+        places = tuple((base + offset, shape, stride) for offset, shape, stride in _places(tuple(s for _, s in bucket)))
         outs = _Taps.apply(hub, compute, take, keys, places)
         views.update({s.name: t for (_, s), t in zip(bucket, outs)})
     return views
+
+
+@functools.lru_cache(maxsize=None)
+def _places(slots: tuple[Slot, ...]) -> tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]:
+    """``(offset, shape, contiguous strides)`` of each slot (computed once per bucket)."""
+    out = []
+    for s in slots:
+        strides, step = [], 1
+        for d in reversed(s.shape):
+            strides.append(step)
+            step *= max(d, 1)
+        out.append((s.offset, s.shape, tuple(reversed(strides))))
+    return tuple(out)
 
 
 class _Tap(torch.autograd.Function):
