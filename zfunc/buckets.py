@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zfunc import comm
+from zfunc._vmap import VmapAsIs
 from zfunc.errors import refuse_create_graph
 from zfunc.layout import Layout, Slot
 from zfunc.state import raw_compute
@@ -326,7 +327,7 @@ class _Reducer:
         return [out]
 
 
-class Collect(torch.autograd.Function):
+class Collect(VmapAsIs, torch.autograd.Function):
     """The node every gradient piece feeds (``hub = Collect.apply(reducer, *sinks)``): autograd runs
     its backward after all of them, and it delivers ``reducer.finish()``, one result per sink (None
     for a sink nothing reached), to the sinks."""
@@ -345,7 +346,7 @@ class Collect(torch.autograd.Function):
         return (None, *(None if r is None else r.to(dt) for r, dt in zip(results, ctx.dtypes)))
 
 
-class _Taps(torch.autograd.Function):
+class _Taps(VmapAsIs, torch.autograd.Function):
     """A bucket's parameters as views of the compute buffer, one node for all of them
     (``places``: ``(offset, shape, stride)`` of each, `_places`). Its backward hands each gradient autograd
     has for them to ``take(key, grad)`` (none: nothing reached that parameter in this graph; it
@@ -398,7 +399,7 @@ def _places(slots: tuple[Slot, ...]) -> tuple[tuple[int, tuple[int, ...], tuple[
     return tuple(out)
 
 
-class _Tap(torch.autograd.Function):
+class _Tap(VmapAsIs, torch.autograd.Function):
     """One parameter (a view of the compute buffer) whose backward hands its gradient to
     ``take(key, grad)`` and feeds ``hub`` a zero: a forward recomputed in backward (`Rebind`)
     binds parameters one by one, as its modules ask for them."""
@@ -480,7 +481,7 @@ def _keep(hub: torch.Tensor, rebind: Rebind) -> Rebind:
     return rebind
 
 
-class _Sink(torch.autograd.Function):
+class _Sink(VmapAsIs, torch.autograd.Function):
     """The node every `local_views` tap feeds (``hub = _Sink.apply(sink)``): the gradients are in the
     accumulator already, so it hands the sink a zero that holds no memory (its hooks still run)."""
 

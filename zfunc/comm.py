@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zfunc._vmap import VmapAsIs
 from zfunc.errors import refuse_create_graph
 from zfunc.widen import widened
 
@@ -455,7 +456,7 @@ def all_gather_object(obj: Any, group: Group | None = None) -> list[Any]:
     return out
 
 
-class _UnitParams(torch.autograd.Function):
+class _UnitParams(VmapAsIs, torch.autograd.Function):
     """A unit's full flat parameters in forward; its gradient delivered to ``sink`` in backward.
 
     Forward returns ``full`` when it already exists (stages 0-2), else all-gathers ``shard``

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from zfunc._tree import tree
+from zfunc._vmap import VmapAsIs
 
 __all__ = ["ScaleCotangent", "scale_tree"]
 
@@ -30,7 +31,7 @@ _ATOMS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.
           enum.Enum, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, range, slice)
 
 
-class ScaleCotangent(torch.autograd.Function):
+class ScaleCotangent(VmapAsIs, torch.autograd.Function):
     """Identity forward; backward multiplies the cotangent by ``factor`` (a device scalar).
 
     A backward that builds a graph through it (``create_graph=True``, ``torch.func.grad`` of
@@ -76,7 +77,10 @@ class ScaleCotangent(torch.autograd.Function):
 
 
 def _differentiable(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
+    """A floating-point tensor that requires grad (or one ``torch.func`` wraps, whose wrapper
+    does not say: the identity forward costs nothing if it does not)."""
+    return (isinstance(t, torch.Tensor) and t.is_floating_point()
+            and (t.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(t)))
 
 
 def scale_tree(x: Any, factor: torch.Tensor, exact: bool = True, call: Any = None) -> tuple[Any, int]:

@@ -32,10 +32,11 @@ from typing import Any
 import torch
 
 from zfunc import comm
+from zfunc._vmap import VmapAsIs
 from zfunc.buckets import Collect
 from zfunc.errors import refuse_create_graph
 
-__all__ = ["UnitGatherer", "track_gathered", "check_same_units", "in_backward", "graph_task"]
+__all__ = ["UnitGatherer", "track_gathered", "check_same_units", "in_backward", "in_transform", "graph_task"]
 
 _STATS = {"live": 0, "peak": 0}
 
@@ -86,6 +87,12 @@ def in_backward() -> bool:
     """Whether autograd is running a backward now (reentrant activation checkpointing recomputes a
     forward inside one). A read-only query of autograd's engine; no public equivalent."""
     return graph_task() != -1
+
+
+def in_transform() -> bool:
+    """Whether a ``torch.func`` transform (grad, vjp, vmap) is running: a read-only query of
+    functorch's interpreter stack; no public equivalent."""
+    return torch._C._functorch.maybe_current_level() is not None
 
 
 def graph_task() -> int:
@@ -148,7 +155,7 @@ def _unit_done(gatherer: weakref.ref, i: int, _: torch.Tensor) -> None:
         g._done(i)
 
 
-class _GatherUnit(torch.autograd.Function):
+class _GatherUnit(VmapAsIs, torch.autograd.Function):
     """A unit all-gathered in forward (or taken from its prefetch); its backward starts the unit's
     asynchronous reduce-scatter (`_UnitReducer`); the gradient reaches the sink through the
     collector ``hub``."""
@@ -292,7 +299,8 @@ class UnitGatherer:
             self.on_track = self.on_track and self.hint[p - 1:p] == [i]
             if self.on_track:
                 self._prefetch(self.hint[p:p + self.depth])
-        self.live[full.untyped_storage().data_ptr()] = i
+        if not in_transform():  # what the saved-tensor hooks look saved tensors up in
+            self.live[full.untyped_storage().data_ptr()] = i
         views = self.state.layout.views(self.state.layout.units[i], full)
         # No public torch API puts a plain tensor in a parameter's place inside one forward
         # (functional_call does it for the whole call, through the same dict): these entries
@@ -304,11 +312,16 @@ class UnitGatherer:
     def leave(self, i: int) -> None:
         """Unit ``i``'s module is done: release the gathered buffer (autograd keeps recipes)."""
         for owner, attr, original in self.swapped.pop(i, []):
-            self.live.pop(owner._parameters[attr].untyped_storage().data_ptr(), None)
+            if not in_transform():
+                self.live.pop(owner._parameters[attr].untyped_storage().data_ptr(), None)
             owner._parameters[attr] = original
 
     def saved_tensor_hooks(self) -> Any:
-        """Saved tensors that view a gathered unit are stored as recipes and regathered."""
+        """Saved tensors that view a gathered unit are stored as recipes and regathered. Inside a
+        ``torch.func`` transform (which refuses saved-tensor hooks) none: autograd keeps the
+        gathered units it saves until backward, as without ZeRO-3."""
+        if in_transform():
+            return contextlib.nullcontext()
         def pack(t: torch.Tensor) -> Any:
             i = self.live.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
             if i is None:

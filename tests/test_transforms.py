@@ -1,0 +1,64 @@
+"""torch.func through zfunc: ``vmap`` over the bound model and ``torch.func.grad`` inside
+``loss_fn`` train as the same loss does on a plain torch model, at every stage."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zfunc
+from tests.helpers import run_ranks
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 2))
+
+
+def _per_sample(model, x: torch.Tensor) -> torch.Tensor:
+    # the model on one sample at a time, vmapped over the batch
+    return torch.func.vmap(lambda xi: model(xi.unsqueeze(0)).squeeze(0))(x).pow(2).mean()
+
+
+def _input_gradient(model, x: torch.Tensor) -> torch.Tensor:
+    # an input gradient (a saliency feature) computed inside the loss, then used detached
+    g = torch.func.grad(lambda x: model(x).sum())(x)
+    return (model(x) * g.detach().sum(1, keepdim=True)).pow(2).mean()
+
+
+def _train(rank: int, stage: int, which: str) -> float:
+    world = zfunc.comm.world().size
+    loss_fn = {"vmap": _per_sample, "grad": _input_gradient}[which]
+    units = ["0", "2"] if stage == 3 else None
+    state = zfunc.init(_model(), zfunc.Config(stage=stage, units=units, persist_threshold=0,
+                                              optimizer=zfunc.adamw(lr=1e-2)))
+    ref = _model()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+
+    def data(i: int, r: int) -> torch.Tensor:
+        return torch.randn(4, 3, generator=torch.Generator().manual_seed(10 * i + r))
+
+    for i in range(3):
+        state, _ = zfunc.backward_step(state, loss_fn, data(i, rank))
+        state = zfunc.apply_step(state)
+        opt.zero_grad()
+        for r in range(world):
+            (loss_fn(ref, data(i, r)) / world).backward()
+        opt.step()
+    full = zfunc.full_params(state)
+    return max((full[n] - p).abs().max().item() for n, p in ref.named_parameters())
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_vmap_over_the_bound_model(stage):
+    for world in (1, 2):
+        for diff in run_ranks(_train, world, stage, "vmap"):
+            assert diff <= 2e-6, (world, diff)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_torch_func_grad_inside_loss_fn(stage):
+    # grad_accum * world == 1: the model's output factor is 1, so torch.func.grad is exact
+    for diff in run_ranks(_train, 1, stage, "grad"):
+        assert diff <= 2e-6, diff

@@ -1,0 +1,48 @@
+"""`torch.func.vmap` through zfunc's autograd Functions.
+
+zfunc's Functions work on the state's tensors (the compute buffer, sinks, collectors), which a
+user's ``vmap`` over the bound model never batches; only `zfunc.cotangent.ScaleCotangent` sees
+the model's (batched) inputs and outputs, and it is the identity in forward. So one rule serves
+them all: apply the Function to the inputs as they are, and an output is batched along the dim
+of its one batched input.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["VmapAsIs"]
+
+
+class VmapAsIs:
+    """Mixin for an ``autograd.Function`` (before it in the bases) giving it the rule above.
+
+    Examples:
+        >>> import torch
+        >>> class Twice(VmapAsIs, torch.autograd.Function):
+        ...     @staticmethod
+        ...     def forward(x):
+        ...         return x * 2
+        ...     @staticmethod
+        ...     def setup_context(ctx, inputs, output):
+        ...         pass
+        ...     @staticmethod
+        ...     def backward(ctx, g):
+        ...         return g * 2
+        >>> torch.func.vmap(Twice.apply)(torch.ones(3, 2)).shape
+        torch.Size([3, 2])
+    """
+
+    @classmethod
+    def vmap(cls, info: Any, in_dims: tuple, *args: Any) -> tuple[Any, Any]:
+        del info
+        batched = [d for d in in_dims if d is not None]
+        if len(batched) > 1:
+            raise NotImplementedError(f"zfunc's {cls.__name__} under torch.func.vmap takes one batched input")
+        out = cls.apply(*args)
+        dim = batched[0] if batched else None
+        if isinstance(out, tuple):
+            return out, tuple(dim if isinstance(o, torch.Tensor) else None for o in out)
+        return out, dim
