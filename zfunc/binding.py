@@ -26,6 +26,7 @@ import torch
 from torch.func import functional_call
 from torch.utils.hooks import RemovableHandle
 
+from zfunc import cotangent
 from zfunc._tree import tree
 from zfunc.buckets import Bucket, Fold, ShardPool, bucket_views, local_views, plan_buckets
 from zfunc.cotangent import scale_tree
@@ -167,12 +168,16 @@ class ModuleBinding:
 
         def pre(slots: list) -> Any:
             def hook(mod: torch.nn.Module, args: Any) -> None:
+                if cotangent.BACKWARDS == 0:  # a forward: nothing to do (and compiled blocks trace this)
+                    return
                 b = me()
                 if b is not None:
                     b._rebind_in(mod, slots)
             return hook
 
         def post(mod: torch.nn.Module, args: Any, out: Any) -> None:
+            if cotangent.BACKWARDS == 0:
+                return
             b = me()
             if b is not None:
                 b._rebind_out(mod)

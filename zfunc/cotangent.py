@@ -25,7 +25,22 @@ import torch
 from zfunc._tree import tree
 from zfunc._vmap import VmapAsIs
 
-__all__ = ["ScaleCotangent", "scale_tree"]
+__all__ = ["ScaleCotangent", "scale_tree", "BACKWARDS"]
+
+# Backwards running through a zfunc model's outputs now. Outside them (every forward) the
+# recompute hooks return at once on reading it: a plain global, so torch.compile traces them.
+BACKWARDS = 0
+
+
+def _backward_entered() -> None:
+    global BACKWARDS
+    BACKWARDS += 1
+    torch.autograd.Variable._execution_engine.queue_callback(_backward_left)  # at the end of this backward
+
+
+def _backward_left() -> None:
+    global BACKWARDS
+    BACKWARDS -= 1
 
 _ATOMS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size,
           enum.Enum, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, range, slice)
@@ -64,6 +79,7 @@ class ScaleCotangent(VmapAsIs, torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         if ctx.call is not None:
             ctx.call.tasks.add(torch._C._current_graph_task_id())
+            _backward_entered()
         if torch.is_grad_enabled() and not ctx.exact:
             raise RuntimeError(
                 "a gradient of a gradient through a zfunc model (create_graph=True, torch.func.grad of the "
