@@ -102,3 +102,26 @@ def test_per_block_compile_fullgraph_trains_like_eager(stage):
         eager = run_ranks(_compiled, world, stage, False)
         for a, b in zip(eager, run_ranks(_compiled, world, stage, True)):
             assert max((x - y).abs().max().item() for x, y in zip(a, b)) <= 1e-6, (world, stage)
+
+
+def _raised_then_compiled(rank: int) -> tuple[int, bool]:
+    import warnings
+
+    state = zfunc.init(_Blocks(), zfunc.Config(stage=0))
+    sinks = zfunc.backward.sinks_into(state, torch.zeros(state.layout.full_numel))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's note on create_graph=True with .grad
+        try:
+            zfunc.backward.bind(state, sinks)(torch.ones(2, 3)).sum().backward(create_graph=True)
+        except RuntimeError as e:
+            assert "create_graph" in str(e)
+    left = zfunc.cotangent.BACKWARDS
+    return left, bool(_compiled(rank, 0, True))
+
+
+def test_compile_after_a_backward_that_raised():
+    # A backward through a zfunc model that raised (here: refused create_graph) must not leave
+    # the recompute hooks awake for the next compiled forward.
+    for left, compiled in run_ranks(_raised_then_compiled, 1):
+        assert left > 0  # left counted by the error
+        assert compiled  # the next forward reset it: no graph break

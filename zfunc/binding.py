@@ -454,6 +454,8 @@ class BoundModel:
         with ``1 / factor`` on their cotangents) and the contexts to run it in."""
         state = self.state
         lay, cfg, binding = state.layout, state.cfg, state.binding
+        if not _in_backward():  # no backward runs here: forget any a raised error left counted
+            cotangent.BACKWARDS = 0
         tensors = {**binding.unit_params, **state.frozen, **self.buffers}
         if state.stage == 3:  # the root unit now; the others when their modules run
             hint = binding.unit_order or [i for i, u in enumerate(lay.units) if u.name != "root"]

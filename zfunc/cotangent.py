@@ -29,6 +29,7 @@ __all__ = ["ScaleCotangent", "scale_tree", "BACKWARDS"]
 
 # Backwards running through a zfunc model's outputs now. Outside them (every forward) the
 # recompute hooks return at once on reading it: a plain global, so torch.compile traces them.
+# A backward that raises never lowers it; each zfunc forward outside a backward resets it.
 BACKWARDS = 0
 
 
