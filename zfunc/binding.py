@@ -3,10 +3,14 @@
 A `ModuleBinding` is made once per (module, layout) by `zfunc.init` and is static metadata of
 the state. It owns everything zfunc adds to the user's module: at stage 3 a forward pre-hook and
 post-hook on each unit module (they gather the unit for the call that runs it; at stages 1-2 with
-`Config.units` they wait for the unit's all-gather, `zfunc.regather`), and, when the
-module was donated (``init(..., donate=True)``), a guard that refuses direct calls. Its
-`ModuleBinding.remove` takes all of it away again. Per-call context (which state, which sinks)
-travels in a context variable, never in attributes of the user's modules or tensors.
+`Config.units` they wait for the unit's all-gather, `zfunc.regather`), a pre-hook and post-hook
+on each module holding parameters (inert except while a zfunc model's backward recomputes a
+forward, activation checkpointing), and, when the module was donated
+(``init(..., donate=True)``), a guard that refuses direct calls (which stays). The hooks hold the
+binding weakly: they leave the module when no state holds the binding, or at
+`ModuleBinding.remove`. Per-call context (which state, which sinks) travels in a context variable
+during the call and in the call's autograd graph after it, never in attributes of the user's
+modules or tensors.
 
 `ModuleBinding.bind` gives a `BoundModel`: the module as a function of its inputs, running on
 one state's tensors through `torch.func.functional_call`, with the cotangent factor on its
@@ -30,8 +34,7 @@ from zfunc import cotangent
 from zfunc._tree import tree
 from zfunc.buckets import Bucket, Fold, ShardPool, bucket_views, local_views, plan_buckets
 from zfunc.cotangent import scale_tree
-from zfunc.gather import UnitGatherer, check_same_units
-from zfunc.gather import graph_task
+from zfunc.gather import UnitGatherer, check_same_units, graph_task
 from zfunc.gather import in_backward as _in_backward
 from zfunc.layout import Layout
 from zfunc.regather import ROOT, GatherPlan, Unbound, UnitViews, plan_gathers
@@ -109,7 +112,8 @@ class ModuleBinding:
         # The other names of a tied parameter or buffer, by its first name: a call passes the
         # tensor under every name (torch's tie_weights=True searches the module each call).
         self.aliases: dict[str, list[str]] = {}
-        for named in (module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)):
+        for named in (module.named_parameters(remove_duplicate=False),
+                      module.named_buffers(remove_duplicate=False)):
             first: dict[int, str] = {}
             for name, t in named:
                 if first.setdefault(id(t), name) != name:
@@ -189,7 +193,7 @@ class ModuleBinding:
 
     def _rebind_in(self, mod: torch.nn.Module, slots: list[tuple[str, torch.nn.Module, str]]) -> bool:
         """In a forward recomputed during backward: put the parameters of the call whose backward
-        this is in place (stages 0-2: the one call whose graph is alive; two are ambiguous)."""
+        this is in place (`_source`: found from the graph)."""
         if _CURRENT.get() is not None or not _in_backward():
             return False
         source = self._source()
@@ -303,7 +307,8 @@ class ModuleBinding:
         # These hooks stay when the binding goes: the parameters are empty for good. On the root
         # and on every module holding trained parameters (a unit module called on its own).
         holders = {id(owner): owner for _, owner, _ in self._slots(list(self.layout.names))}
-        self._refusing = [m.register_forward_pre_hook(refuse) for m in {id(self.module): self.module, **holders}.values()]
+        guarded = {id(self.module): self.module, **holders}.values()
+        self._refusing = [m.register_forward_pre_hook(refuse) for m in guarded]
         self.donated = True
         _DONATED.add(self.module)
 

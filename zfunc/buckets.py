@@ -348,8 +348,8 @@ class Collect(VmapAsIs, torch.autograd.Function):
 
 class _Taps(VmapAsIs, torch.autograd.Function):
     """A bucket's parameters as views of the compute buffer, one node for all of them
-    (``places``: ``(offset, shape, stride)`` of each, `_places`). Its backward hands each gradient autograd
-    has for them to ``take(key, grad)`` (none: nothing reached that parameter in this graph; it
+    (``places``: ``(offset, shape, stride)`` of each, `_places`). Its backward hands each gradient
+    autograd has for them to ``take(key, grad)`` (none: nothing reached that parameter in this graph; it
     may come later from a recomputed forward, or adds zeros at the end) and feeds ``hub`` a zero,
     so the hub's node runs after every bucket's."""
 
@@ -380,7 +380,8 @@ def _bucket_taps(hub: torch.Tensor, compute: torch.Tensor, take: Any,
     base = compute.storage_offset()
     for bucket in buckets:
         keys = tuple(key for key, _ in bucket)
-        places = tuple((base + offset, shape, stride) for offset, shape, stride in _places(tuple(s for _, s in bucket)))
+        places = tuple((base + offset, shape, stride)
+                       for offset, shape, stride in _places(tuple(s for _, s in bucket)))
         outs = _Taps.apply(hub, compute, take, keys, places)
         views.update({s.name: t for (_, s), t in zip(bucket, outs)})
     return views

@@ -333,7 +333,8 @@ class Engine:
         extra = read_extra(path)
         loaded, current = load(path, like=self._state), self._with_group_edits(self._state)
         if load_module_only:  # the weights alone: counters, optimizer and scaler stay the engine's
-            loaded = loaded.replace(step=current.step, opt=current.opt, hyper=current.hyper, scaler=current.scaler)
+            loaded = loaded.replace(step=current.step, opt=current.opt, hyper=current.hyper,
+                                    scaler=current.scaler)
         elif not load_optimizer_states:  # DeepSpeed keeps its skipped-step counter apart from the scaler
             loaded = loaded.replace(opt=current.opt, hyper=current.hyper,
                                     scaler=dataclasses.replace(current.scaler, skipped=loaded.scaler.skipped))
@@ -366,7 +367,8 @@ class Engine:
     def _torch_scheduler_state(self) -> dict[str, Any] | None:
         """The state of a torch scheduler passed to `initialize` (a config schedule has none)."""
         sched = self.lr_scheduler
-        return sched.state_dict() if hasattr(sched, "state_dict") and hasattr(sched, "load_state_dict") else None
+        stateful = hasattr(sched, "state_dict") and hasattr(sched, "load_state_dict")
+        return sched.state_dict() if stateful else None
 
     def module_state_dict(self) -> dict[str, torch.Tensor]:
         """The trained model's full state dict (parameters in the compute dtype, buffers), under
