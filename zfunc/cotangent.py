@@ -24,6 +24,7 @@ import torch
 
 from zfunc._tree import tree
 from zfunc._vmap import VmapAsIs
+from zfunc.gather import graph_task
 
 __all__ = ["ScaleCotangent", "scale_tree", "BACKWARDS"]
 
@@ -79,7 +80,7 @@ class ScaleCotangent(VmapAsIs, torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         if ctx.call is not None:
-            ctx.call.tasks.add(torch._C._current_graph_task_id())
+            ctx.call.tasks.add(graph_task())
             _backward_entered()
         if torch.is_grad_enabled() and not ctx.exact:
             raise RuntimeError(
