@@ -1,4 +1,4 @@
-"""Stages 1-2 with Config.units: the step's all-gather overlaps the next forward (zfunc.regather)."""
+"""Stages 1-2 with Config.units: the next forward gathers the step's parameters unit by unit (zfunc.regather)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def _final(rank: int, name: str, stage: int, grad_accum: int, units: list | None
     cfg = zfunc.Config(stage=stage, grad_accum=grad_accum, clip=1.0, units=units,
                        optimizer=zfunc.adamw(lr=1e-2, weight_decay=0.01))
     state, norms = zfunc_run(rank, name, 3, cfg)
-    return snapshot(state), norms
+    return snapshot(zfunc.settle(state)), norms  # settled: the others' slices as the step made them
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -66,19 +66,24 @@ def _events(rank: int, stage: int) -> tuple[bool, list[tuple[str, int]]]:
         batch = MODELS["gpt"][2](0, rank, 2)
         state, _ = zfunc.backward_step(state, lm_loss, batch, donate=True)
         state = zfunc.apply_step(state, donate=True)
-        pending = state.gathering is not None and state.gathering.pending
+        pending = not bool(state.gathered)
         events.clear()
         state, _ = zfunc.backward_step(state, lm_loss, batch, donate=True)
+        after = bool(state.gathered)
+        seen = list(events)
+        state = zfunc.settle(zfunc.apply_step(state, donate=True))
+        events.clear()
+        state, _ = zfunc.backward_step(state, lm_loss, batch, donate=True)  # a settled state: nothing to wait for
     finally:
         regather.Gathering.wait = wait
-    return pending, events
+    return pending and after and all(kind == "run" for kind, _ in events), seen
 
 
 def test_the_next_forward_waits_for_each_unit_when_it_starts():
     expected = [("wait", regather.ROOT)] + [e for i in range(3) for e in (("wait", i), ("run", i))]
     for stage in (1, 2):
         for pending, events in run_ranks(_events, 2, stage):
-            assert pending  # apply_step returned with the gathers in flight
+            assert pending  # apply_step left the gathers to the next forward, which hands on a gathered state
             assert events == expected  # unit i's gather waited for only as unit i starts
 
 
@@ -104,9 +109,8 @@ def _pending_reads(rank: int, stage: int, where: str) -> dict[str, bool]:
         s1, _ = zfunc.backward_step(state, loss_fn, x)
         before = snapshot(s1)
         s2 = zfunc.apply_step(s1)  # not donated: s1 must stay as it was
-        out[f"pending {units}"] = units is None or s2.gathering.pending
-        flat = snapshot(s2)  # flattening a pending state waits for its gathers
-        out[f"waited {units}"] = s2.gathering is None or not s2.gathering.pending
+        out[f"pending {units}"] = units is None or not bool(s2.gathered)
+        flat = snapshot(zfunc.settle(s2))
         out[f"pure {units}"] = bitwise_equal(before, snapshot(s1))
         s3, _ = zfunc.backward_step(zfunc.apply_step(s1), loss_fn, x)  # a pending state read by forward
         path = zfunc.save(zfunc.apply_step(s3), f"{where}/ckpt-{stage}-{units is None}")  # every rank's dir
@@ -183,8 +187,8 @@ def _tied(rank: int, stage: int, units: list[str] | None, remove: bool) -> tuple
     for _ in range(3):
         state, _ = zfunc.backward_step(state, lambda m, x: m(x).square().mean(), x, donate=True)
         state = zfunc.apply_step(state, donate=True)
-        zfunc.tree.map(torch.add, state, state.replace(gathering=None))  # gathering or not: one structure
-    return snapshot(state), model.seen[:1], read
+        zfunc.tree.map(torch.add, state, zfunc.settle(state))  # gathered or not: one structure
+    return snapshot(zfunc.settle(state)), model.seen[:1], read
 
 
 def test_tied_weights_hooks_metadata_and_remove_with_units():

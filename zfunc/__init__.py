@@ -38,6 +38,7 @@ from zfunc.optim import adagrad as adagrad
 from zfunc.optim import adamw as adamw
 from zfunc.optim import lion as lion
 from zfunc.optim import sgd as sgd
+from zfunc.regather import settle as settle
 from zfunc.scaler import DynamicLossScale as DynamicLossScale
 from zfunc.scaler import ScalerState as ScalerState
 from zfunc.state import AdagradState as AdagradState
@@ -98,6 +99,7 @@ __all__ = [
     "save",
     "schedules",
     "set_hyperparams",
+    "settle",
     "sgd",
     "train_step",
     "tree",

@@ -30,7 +30,7 @@ from zfunc._tree import tree
 from zfunc.binding import BoundModel, cotangent_factor
 from zfunc.buckets import Fold, reduce_group
 from zfunc.donation import check_live, donate_
-from zfunc.state import TrainState, accumulator
+from zfunc.state import TrainState, accumulator, host_flag
 
 __all__ = ["backward_step", "vjp", "accumulate", "record_micro", "check_room", "sinks_into", "point_sinks",
            "grad_views", "bind", "boundary_fold"]
@@ -60,9 +60,12 @@ def check_room(state: TrainState, what: str) -> None:
 
 
 def record_micro(state: TrainState, grads: torch.Tensor, *, loss: torch.Tensor | None = None,
-                 buffers: dict[str, torch.Tensor] | None = None, fold: Fold | None = None) -> TrainState:
+                 buffers: dict[str, torch.Tensor] | None = None, fold: Fold | None = None,
+                 forward: bool = False) -> TrainState:
     """The state after one more micro-batch: its gradients in ``grads``, its loss (or NaN when
     not known) added to ``loss_sum``, ``micro_step + 1``, and the buffers its forward left.
+    With ``forward`` (the micro-batch ran the bound model, which gathers what a step left
+    ungathered, `zfunc.regather`) the state is ``gathered``.
 
     With ``fold`` (the micro-batch's backward reduced the accumulator, `boundary_fold`) the
     state holds the reduced gradient (``reduced``): at stage 1 this rank's shard of ``grads``.
@@ -88,7 +91,8 @@ def record_micro(state: TrainState, grads: torch.Tensor, *, loss: torch.Tensor |
     if reduced and state.stage == 1:
         grads = grads.narrow(0, *state.layout.owned_start_len(state.layout.units[0]))
     return state.replace(grads=grads, micro_step=state.micro_step + 1, loss_sum=state.loss_sum + value,
-                         buffers=state.buffers if buffers is None else buffers, reduced=reduced)
+                         buffers=state.buffers if buffers is None else buffers, reduced=reduced,
+                         gathered=host_flag(True) if forward else state.gathered)
 
 
 def boundary_fold(state: TrainState) -> Fold | None:
@@ -198,7 +202,7 @@ def backward_step(state: TrainState, loss_fn: Callable[..., Any], batch: Any, *,
                                                         if isinstance(loss, torch.Tensor) else ""))
     loss.backward()  # into `grads` through the sinks (plain backward: reentrant checkpointing works)
     loss = loss.detach().reshape(())
-    new = record_micro(state, grads, loss=loss, buffers=model.buffers, fold=fold)
+    new = record_micro(state, grads, loss=loss, buffers=model.buffers, fold=fold, forward=True)
     if donate:
         donate_(state, "backward_step")
     return new, ((loss, aux) if has_aux else loss)
@@ -283,7 +287,7 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
         calls["n"] += 1
         calls["retained"] = retain_graph
         torch.autograd.backward(outs, cots, retain_graph=retain_graph)
-        new = record_micro(state, grads, loss=loss, buffers=model.buffers, fold=fold)
+        new = record_micro(state, grads, loss=loss, buffers=model.buffers, fold=fold, forward=True)
         if donate:
             donate_(state, "vjp")
         if not argnums:

@@ -37,7 +37,7 @@ from zfunc.cotangent import scale_tree
 from zfunc.gather import UnitGatherer, check_same_units, graph_task
 from zfunc.gather import in_backward as _in_backward
 from zfunc.layout import Layout
-from zfunc.regather import ROOT, GatherPlan, Unbound, UnitViews, plan_gathers
+from zfunc.regather import ROOT, Gathering, GatherPlan, Unbound, UnitViews, plan_gathers, start_gathers
 
 if TYPE_CHECKING:
     from zfunc.state import TrainState
@@ -432,6 +432,7 @@ class BoundModel:
         self.gatherer: UnitGatherer | None = None  # stage 3
         self.units: UnitGatherer | UnitViews | None = None  # what the unit modules' hooks bind
         self.call: Any = None  # the call's `Rebind` or `UnitGatherer` (`ModuleBinding._source`)
+        self.pending: Gathering | None = None  # stages 1-2: the other ranks' slices being gathered
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         tensors, args, kwargs, contexts = self.prepare(args, kwargs)
@@ -446,9 +447,11 @@ class BoundModel:
                         tensors.update(dict.fromkeys(others, tensors[name]))
                 out = functional_call(binding.module, tensors, args, kwargs, tie_weights=False, strict=False)
         except BaseException:
-            if self.gatherer is not None:  # collect the gathers started ahead (the error stays the news)
-                with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # collect the gathers started ahead (the error stays the news)
+                if self.gatherer is not None:
                     self.gatherer.drop_ahead()
+                if self.pending is not None:
+                    self.pending.wait_all()
             raise
         finally:
             _CURRENT.reset(token)
@@ -481,13 +484,16 @@ class BoundModel:
             self.call = rebind
             if torch.is_grad_enabled() and not _in_backward():  # a backward will follow (its graph keeps it)
                 binding._pending.add(rebind)
-            pending = state.gathering
+            # Stages 1-2 after a step with units: this call gathers the other ranks' slices
+            # (`zfunc.regather`), all issued now, each waited for as its unit's module starts.
+            pending = None if bool(state.gathered) else start_gathers(state)
             if binding.gather_plan is not None:  # stages 1-2 with units: bound as their modules run
                 if pending is not None:
                     pending.wait(ROOT)
                 self.units = UnitViews({n: views.pop(n) for n in binding.unit_params}, pending)
             elif pending is not None:  # the hooks that would wait are gone (`ModuleBinding.remove`)
                 pending.wait_all()
+            self.pending = pending
             tensors.update(views)
             contexts = []
         if cfg.autocast is None and cfg.compute_dtype != torch.float32:
@@ -503,6 +509,9 @@ class BoundModel:
         """After the forward: check the stage-3 units, keep the buffers' new values, and put the
         cotangent factor on the outputs."""
         state = self.state
+        if self.pending is not None:  # a unit the forward did not run: its slices are gathered too
+            self.pending.wait_all()
+            self.pending = None
         if self.gatherer is not None:
             self.gatherer.hub = None  # the graph keeps the collector now (no cycle through it: see gather)
             self.gatherer.drop_ahead()  # what the forward's prefetch gathered and did not use

@@ -46,7 +46,6 @@ from zfunc import comm
 from zfunc._vmap import VmapAsIs
 from zfunc.errors import refuse_create_graph
 from zfunc.layout import Layout, Slot
-from zfunc.state import raw_compute
 from zfunc.widen import add_into, copy_into
 
 if TYPE_CHECKING:
@@ -466,7 +465,7 @@ def bucket_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, .
     call's `Rebind`."""
     reducer = _Reducer(state, buckets, pool, sink, fold)
     hub = Collect.apply(reducer, sink)
-    compute = raw_compute(state)  # forward waits for a pending all-gather before it reads (zfunc.regather)
+    compute = state.compute  # at stages 1-2 with units, each piece read after forward gathered it (zfunc.regather)
     rebind = _keep(hub, Rebind(compute, {s.name: (j, s) for j, (_, s) in enumerate(reducer.slots)}, reducer.take))
     by_bucket: list[list[tuple[Any, Slot]]] = [[] for _ in buckets]
     for j, (k, s) in enumerate(reducer.slots):
@@ -510,7 +509,7 @@ def local_views(state: TrainState, sink: torch.Tensor,
     def add(start: int, grad: torch.Tensor) -> None:
         add_into(sink.grad.narrow(0, start, grad.numel()), grad.reshape(-1))
 
-    compute = raw_compute(state)  # as in `bucket_views`
+    compute = state.compute
     hub = _Sink.apply(sink)
     rebind = _keep(hub, Rebind(compute, {s.name: (s.offset, s) for s in unit.slots}, add))
     return _bucket_taps(hub, compute, add, [[(s.offset, s) for s in b.slots] for b in buckets]), rebind

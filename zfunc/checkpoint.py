@@ -32,7 +32,7 @@ from zfunc.create import full_params, place_master
 from zfunc.donation import check_live
 from zfunc.errors import CheckpointError
 from zfunc.layout import Layout, Unit
-from zfunc.state import TrainState, accumulator_numel, released_grads
+from zfunc.state import TrainState, accumulator_numel, host_flag, released_grads
 
 __all__ = ["save", "load", "export", "exists", "CheckpointError", "read_meta", "read_extra"]
 
@@ -370,7 +370,7 @@ def _assemble(like: TrainState, roles: dict[str, torch.Tensor], s: dict[str, tor
     if rng is not None:
         torch.set_rng_state(rng)
     grads = released_grads(accumulator_numel(cfg, like.layout), cfg.grad_accum_dtype, like.device)
-    return like.replace(params=master, compute=compute, grads=grads, reduced=False,
+    return like.replace(params=master, compute=compute, gathered=host_flag(True), grads=grads, reduced=False,
                         opt=cfg.optimizer.state_class(**{n: roles[n] for n in cfg.optimizer.slots}, count=s["count"]),
                         **records, step=s["step"], micro_step=s["micro_step"],
                         loss_sum=s["loss_sum"], frozen={n: frozen[n] for n in like.frozen},

@@ -20,7 +20,7 @@ from zfunc.layout import Layout, make_layout, master_view
 from zfunc.mesh import Mesh, make_mesh
 from zfunc.optim import assign_groups
 from zfunc.scaler import scaler_init
-from zfunc.state import GroupHyper, Metrics, TrainState, accumulator_numel, released_grads
+from zfunc.state import GroupHyper, Metrics, TrainState, accumulator_numel, host_flag, released_grads
 from zfunc.update import learning_rate
 
 __all__ = ["init", "full_params", "gather_by_name", "units_of", "group_hyper", "trainable_params", "place_master"]
@@ -274,7 +274,7 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
         loss_sum=scalar(0.0),
         metrics=Metrics(loss=scalar(float("nan")), grad_norm=scalar(0.0), loss_scale=scaler.scale.clone(),
                         skipped=scalar(0.0), lr=scalar(float("nan"))),
-        frozen=frozen, buffers=buffers, binding=binding, cfg=cfg, layout=layout, mesh=mesh)
+        frozen=frozen, buffers=buffers, gathered=host_flag(True), binding=binding, cfg=cfg, layout=layout, mesh=mesh)
     return state.replace(metrics=dataclasses.replace(state.metrics, lr=learning_rate(state)))  # step 0 uses it
 
 

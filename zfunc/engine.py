@@ -30,6 +30,7 @@ from zfunc.create import full_params, init
 from zfunc.deepspeed_config import BatchSizes, translate
 from zfunc.errors import ConfigError
 from zfunc.optim import OPTIMIZERS
+from zfunc.regather import settle
 from zfunc.shim_optim import OptimizerView, plan_groups
 from zfunc.state import TrainState, accumulator, is_released
 from zfunc.update import apply_step, learning_rates, set_hyperparams
@@ -92,7 +93,7 @@ class Engine:
     def state(self, state: TrainState) -> None:
         if not isinstance(state, TrainState):
             raise TypeError(f"engine.state: expected a zfunc.TrainState, got {type(state).__name__}")
-        self._state = state
+        self._state = state = settle(state)  # the module's parameters show every slice
         self._sinks = sinks_into(state, state.grads)
         self._fold: Fold | None = None  # the boundary's reduce in backward (stages 0-1), per step
         for sink in self._sinks:  # notes that a backward reached the state since the last step()
@@ -196,7 +197,9 @@ class Engine:
         st = record_micro(self._state, self._state.grads, loss=self._pending_loss, fold=self._fold)
         self._pending_loss, self._fold = None, None
         if boundary:
-            st = apply_step(self._with_group_edits(st), donate=True)
+            # Gathered before step() returns (as DeepSpeed's): the module's parameters are views
+            # of the compute buffer, readable by the user at any moment (no forward to gather them).
+            st = settle(apply_step(self._with_group_edits(st), donate=True))
             point_sinks(self._sinks, st, st.grads)  # released: the step's gradient buffer is freed
             self.global_samples += self._batch.train_batch_size if self._batch else 0
         self._state = st  # the same parameter buffers: the module's views stay valid

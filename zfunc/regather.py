@@ -1,24 +1,26 @@
-"""Stages 1-2 with `Config.units`: the step's all-gather overlaps the next forward.
+"""Stages 1-2 with `Config.units`: the next forward gathers the step's parameters, unit by unit.
 
 After the update each rank holds its new slice of the full compute buffer; the other slices
 arrive by all-gather. Without units `zfunc.apply_step` gathers the whole buffer before it
-returns (as DeepSpeed's ZeRO-1 and ZeRO-2 do). With units it starts the all-gather in pieces,
-first everything outside the units (the *root*: embeddings, final norms, padding), then each
-unit's parameters in module order, and returns at once; the state carries the pending pieces
-(`Gathering`). The next forward waits for the root before it starts and for each unit when its
-module starts, so the later units' gathers overlap the earlier units' computation (FSDP2
-gathers each module's parameters in its forward the same way).
+returns (as DeepSpeed's ZeRO-1 and ZeRO-2 do). With units it returns at once, the state marked
+``gathered=False``, and the next forward owns the gather (as FSDP2's): when the call starts it
+issues the all-gather in pieces into the state's own buffer, first everything outside the units
+(the *root*: embeddings, final norms, padding), then each unit's parameters in module order
+(`start_gathers`); it waits for the root before the module runs and for each unit when its
+module starts, so the later units' gathers overlap the earlier units' computation. The handles
+live in the call, never in the state: the call waits for whatever is left before it returns,
+and the state it hands on is ``gathered``.
 
 Nothing reads a parameter before its piece is in:
 
-- reading the state's ``compute`` (attribute access, pytree flattening, `zfunc.memory_report`,
-  the next `zfunc.apply_step`) waits for every piece first (`zfunc.state.TrainState`); a
-  checkpoint and `zfunc.full_params` read each rank's own slice only, which no piece writes;
+- a state that is not ``gathered`` holds earlier values in the other ranks' slices; `settle`
+  gathers them at once for a reader of ``compute`` in full. A checkpoint and
+  `zfunc.full_params` read each rank's own slice only, which is always current;
 - inside forward a unit's parameters are bound only while its module runs, as at stage 3; at
   any other moment the module holds placeholders (`Unbound`), so a unit's parameter used
   outside its module's forward fails loudly instead of reading the previous step's values.
 
-Every rank issues the same pieces in the same order.
+Every rank issues the same pieces in the same order (the flag is the same on every rank).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from zfunc import comm
 from zfunc.gather import in_backward
 from zfunc.layout import Layout
 
-__all__ = ["GatherPlan", "Gathering", "plan_gathers", "start_gathers", "UnitViews", "Unbound"]
+__all__ = ["GatherPlan", "Gathering", "plan_gathers", "start_gathers", "settle", "UnitViews", "Unbound"]
 
 ROOT = -1  # the key of the root's pieces
 
@@ -91,8 +93,8 @@ def plan_gathers(layout: Layout, units: Sequence[Sequence[str]]) -> GatherPlan:
 
 
 class Gathering:
-    """The all-gathers `zfunc.apply_step` started: each key's (`ROOT` or a unit's index) handles.
-    `wait` and `wait_all` may be called any number of times, from any state sharing it."""
+    """One forward call's all-gathers: each key's (`ROOT` or a unit's index) handles. `wait` and
+    `wait_all` may be called any number of times."""
 
     def __init__(self, works: dict[int, list[Any]]):
         self.works = works
@@ -106,33 +108,48 @@ class Gathering:
             w.wait()
         self.works.pop(key, None)
 
-    # The pieces in flight are not part of what the state is: a state still gathering has the
-    # same pytree structure as one that is not (`TrainState.gathering` is pytree metadata).
-    def __eq__(self, other: object) -> bool:
-        return other is None or isinstance(other, Gathering)
-
-    def __hash__(self) -> int:
-        return hash(None)
-
     def wait_all(self) -> None:
         for key in list(self.works):
             self.wait(key)
 
 
-def start_gathers(plan: GatherPlan, compute: torch.Tensor, shard: int, group: comm.Group) -> Gathering:
-    """Start the all-gather of ``compute`` (rank ``r`` holds ``[r * shard, (r + 1) * shard)``)
-    piece by piece: the root first, then the units in order.
+def start_gathers(state: Any) -> Gathering:
+    """Start the all-gather of ``state.compute`` (rank ``r`` holds ``[r * shard, (r + 1) *
+    shard)``) into the state's own buffer: with a gather plan (`Config.units`) piece by piece,
+    the root first, then the units in order; else the whole buffer as one `ROOT` piece.
 
     Examples:
         >>> import torch, zfunc
-        >>> plan = GatherPlan(root=((0, 1),), units=(((1, 3),),), names=(("w",),))
-        >>> g = start_gathers(plan, torch.zeros(3), 3, zfunc.comm.world())
-        >>> g.wait(0); g.pending, g.wait_all()
-        (True, None)
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+        >>> g = start_gathers(zfunc.init(model, zfunc.Config(stage=1, units=["0"])))
+        >>> g.pending, g.wait_all(), g.pending
+        (True, None, False)
     """
-    order = [(ROOT, plan.root), *enumerate(plan.units)]
+    lay, compute, group = state.layout, state.compute, state.mesh.shard
+    shard = lay.units[0].shard
+    plan = state.binding.gather_plan
+    order = [(ROOT, plan.root), *enumerate(plan.units)] if plan is not None else [(ROOT, ((0, compute.numel()),))]
     return Gathering({key: [comm.all_gather_range_start(compute, lo, hi, shard, group) for lo, hi in runs]
                       for key, runs in order})
+
+
+def settle(state: Any) -> Any:
+    """``state`` with ``compute`` holding every rank's slice: at stages 1-2 with `Config.units`
+    after `zfunc.apply_step`, the other ranks' slices are all-gathered now (the next forward
+    would gather them unit by unit); any other state is returned as it is. For a reader of the
+    full compute buffer; checkpoints and `zfunc.full_params` need no settling.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+        >>> state = zfunc.apply_step(zfunc.init(model, zfunc.Config(stage=2, units=["0"])))
+        >>> bool(zfunc.settle(state).gathered)
+        True
+    """
+    if bool(state.gathered):
+        return state
+    start_gathers(state).wait_all()
+    return state.replace(gathered=torch.tensor(True))
 
 
 # What may be asked of a placeholder: its metadata (properties are `__get__`), never its values.

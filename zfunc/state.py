@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from zfunc.scaler import ScalerState
 
 __all__ = ["TrainState", "AdamState", "SGDState", "LionState", "AdagradState", "GroupHyper", "Metrics",
-           "released_grads", "is_released", "accumulator", "accumulator_numel", "raw_compute"]
+           "released_grads", "is_released", "accumulator", "accumulator_numel", "host_flag"]
 
 
 def released_grads(numel: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -197,9 +197,6 @@ class TrainState:
             the all-reduced sum at stage 0): the step's last micro-batch reduced it during its
             backward (`zfunc.buckets.Fold`), so `zfunc.apply_step` does not reduce again. Host
             metadata, False except between that micro-batch and the step.
-        gathering: stages 1-2 with ``Config.units``: the all-gather of ``compute`` that
-            `zfunc.apply_step` started and the next forward waits for unit by unit
-            (`zfunc.regather.Gathering`); reading ``compute`` waits for all of it. Host metadata.
         opt: the optimizer's state record (`AdamState`, `SGDState`, `LionState`,
             `AdagradState`), its slots shaped like ``params``.
         hyper: `GroupHyper`: each parameter group's learning rate, weight decay, betas, eps.
@@ -215,6 +212,10 @@ class TrainState:
         frozen: parameters that do not train (compute dtype), replicated, by name.
         buffers: the module's buffers (floating ones in the compute dtype), replicated, by name;
             a forward that updates them (BatchNorm's running statistics) returns new ones.
+        gathered: a bool on the host: ``compute`` holds every rank's slice. False only at stages
+            1-2 with ``Config.units`` between `zfunc.apply_step` and the next forward, which
+            gathers the other slices unit by unit as its modules run (`zfunc.regather`); until
+            then they hold earlier values. `zfunc.settle` gathers them at once.
         binding: the `zfunc.binding.ModuleBinding` (the module and the hooks zfunc put on it).
         mesh: the `zfunc.mesh.Mesh`: the world, the ranks the state is sharded over, and the
             replicas of each shard (``Config.shard_size``).
@@ -241,33 +242,15 @@ class TrainState:
     metrics: Metrics
     frozen: dict[str, torch.Tensor]
     buffers: dict[str, torch.Tensor]
+    gathered: torch.Tensor
     binding: ModuleBinding = field(pytree_node=False)
     cfg: Config = field(pytree_node=False)
     layout: Layout = field(pytree_node=False)
     mesh: Mesh = field(pytree_node=False)
     reduced: bool = field(pytree_node=False, default=False)
-    gathering: Any = field(pytree_node=False, default=None)
-
-    def __getattribute__(self, name: str) -> Any:
-        if name == "compute":  # never a buffer an all-gather is still writing (`zfunc.regather`)
-            pending = object.__getattribute__(self, "gathering")
-            if pending is not None:
-                pending.wait_all()
-        return object.__getattribute__(self, name)
-
-    def __getstate__(self) -> dict[str, Any]:
-        """What `copy.deepcopy` and `pickle` copy: every field, the pending all-gather waited
-        for (a copy holds no in-flight handle). The binding copies itself with the module
-        (`zfunc.binding.ModuleBinding.__deepcopy__`), so a copy trains apart from the original."""
-        self.compute  # noqa: B018 - waits for a pending all-gather
-        return {**self.__dict__, "gathering": None}
 
     def replace(self, **changes: Any) -> TrainState:
         """A new state with ``changes``; the tensors not named are shared, not copied."""
-        if "compute" in changes:  # a new buffer: the pending gathers were into the old one
-            changes.setdefault("gathering", None)
-        else:  # the same buffer, its gathers still pending: nothing waits for them here
-            changes["compute"] = raw_compute(self)
         return dataclasses.replace(self, **changes)
 
     @property
@@ -287,10 +270,9 @@ class TrainState:
     @property
     def device(self) -> torch.device:
         """The compute device (the master weights are on the host with ``Config.offload_optimizer``)."""
-        return raw_compute(self).device
+        return self.compute.device
 
 
-def raw_compute(state: TrainState) -> torch.Tensor:
-    """``state.compute`` without waiting for its pending all-gather (`zfunc.regather`): for views
-    that forward reads only after waiting for their piece."""
-    return object.__getattribute__(state, "compute")
+def host_flag(value: bool) -> torch.Tensor:
+    """A bool scalar on the host (`TrainState.gathered`): reading it never waits for a device."""
+    return torch.tensor(value)

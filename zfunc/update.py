@@ -10,8 +10,8 @@ The one optimizer step of every stage, written so the algorithm reads plainly:
 4. update: one fused pass unscales, clips, skips on overflow, applies Adam/AdamW and writes the
    compute-dtype copy; with ``Config.offload_optimizer`` the gradient shard goes to the host,
    the pass runs there on the host arena, and the new compute-dtype shard comes back;
-5. gather the updated compute parameters (stages 1-2; with ``Config.units`` started here and
-   waited for unit by unit by the next forward, `zfunc.regather`);
+5. gather the updated compute parameters (stages 1-2; with ``Config.units`` the next forward
+   gathers them unit by unit, `zfunc.regather`);
 6. give every rank rank 0's buffers (BatchNorm statistics), as DDP's ``broadcast_buffers`` does.
 
 Nothing here reads a device value on the host, except under offload on a GPU (the host pass needs
@@ -28,9 +28,8 @@ import zfunc_kernels
 from zfunc import comm
 from zfunc.donation import check_live, donate_
 from zfunc.layout import master_view
-from zfunc.regather import start_gathers
 from zfunc.scaler import scaler_update
-from zfunc.state import (GroupHyper, Metrics, TrainState, accumulator, accumulator_numel, is_released,
+from zfunc.state import (GroupHyper, Metrics, TrainState, accumulator, accumulator_numel, host_flag, is_released,
                          released_grads)
 
 __all__ = ["apply_step", "learning_rate", "learning_rates", "set_hyperparams"]
@@ -258,13 +257,12 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
 
     if compute_out is not target and not bool(k_skip):  # the updated compute-dtype shard back to the
         target.copy_(compute_out, non_blocking=compute_out.is_pinned())  # device (a skipped pass wrote none)
-    # Gather the updated compute parameters where forward reads them in full: with units, piece
-    # by piece, waited for by the next forward (zfunc.regather); else before returning.
-    gathering = None
-    if state.stage in (1, 2):
-        plan = state.binding.gather_plan
-        if plan is not None and state.mesh.shard.size > 1:
-            gathering = start_gathers(plan, compute, lay.units[0].shard, state.mesh.shard)
+    # Gather the updated compute parameters where forward reads them in full: with units, the
+    # next forward gathers them unit by unit as its modules run (zfunc.regather); else here.
+    gathered = True
+    if state.stage in (1, 2) and state.mesh.shard.size > 1:
+        if state.binding.gather_plan is not None:
+            gathered = False
         else:
             comm.all_gather_into(compute, master_view(compute, lay, state.stage), state.mesh.shard)  # in place
 
@@ -278,7 +276,7 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
                         opt=opt.state_class(**dict(zip(opt.slots, slots)), count=count), scaler=scaler,
                         step=state.step + 1,
                         micro_step=torch.zeros_like(state.micro_step), loss_sum=torch.zeros_like(state.loss_sum),
-                        metrics=metrics, reduced=False, gathering=gathering)
+                        metrics=metrics, reduced=False, gathered=host_flag(gathered))
     if donate:
         donate_(state, "apply_step")
     return new
