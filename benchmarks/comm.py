@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 import zfunc
 from zfunc import comm
-from zfunc.mesh import make_mesh
+from zfunc.distributed.mesh import make_mesh
 
 
 def _buckets(n: int, size: int) -> list[tuple[int, int]]:

@@ -12,7 +12,7 @@ Contenders (``--only`` picks a comma-separated subset):
 * ``fsdp2``  torch.distributed.fsdp.fully_shard per block + root, + AdamW
 * ``zero0`` .. ``zero3``  zfunc ZeRO stage 0..3 with one unit per transformer block
   (``Config(units=[Block])``): stage 3 gathers them one by one; stages 1-2 overlap the step's
-  all-gather with the next forward unit by unit (`zfunc.regather`)
+  all-gather with the next forward unit by unit (`zfunc.autograd.forward_gather`)
 * ``atonce1``, ``atonce2``  zfunc ZeRO-1/2 without units: the all-gather done before
   ``apply_step`` returns (DeepSpeed's way), the A/B of the overlap
 * ``noprefetch3``  zfunc ZeRO-3 with ``prefetch=0`` (each unit gathered when its module starts), to
@@ -236,7 +236,7 @@ def _setup_fsdp2(precision: str, accum: int):
 
 def _setup_zfunc(stage: int, precision: str, accum: int, offload: str | None = None, prefetch: int = 1,
                  fold: bool = True, p2p: bool = True, low_grads: bool = False, units: bool = True):
-    import zfunc.backward
+    import zfunc.core.backward
     from zfunc.models.gpt import Block
     model = _build_model()
     cfg = zfunc.Config(stage=stage, precision=precision, clip=CLIP, grad_accum=accum, offload_optimizer=offload,
@@ -254,14 +254,14 @@ def _setup_zfunc(stage: int, precision: str, accum: int, offload: str | None = N
     # directly lets the benchmark time them separately.
     def step(mbs):
         state = box["state"]
-        ends_step = zfunc.backward._ends_step
+        ends_step = zfunc.core.backward._ends_step
         if not fold:  # this contender's steps only: the last micro-batch reduces nothing
-            zfunc.backward._ends_step = lambda state: None
+            zfunc.core.backward._ends_step = lambda state: None
         try:
             for mb in mbs:
                 state, _ = zfunc.backward_step(state, lm_loss, mb, donate=True)
         finally:
-            zfunc.backward._ends_step = ends_step
+            zfunc.core.backward._ends_step = ends_step
         t_mid = time.perf_counter()
         box["state"] = zfunc.apply_step(state, donate=True)
         return t_mid

@@ -18,7 +18,7 @@ import time
 import torch
 
 import zfunc
-from zfunc.metrics import MetricsLog, step_record
+from zfunc.tools.metrics import MetricsLog, step_record
 from zfunc.models import GPT, CharCorpus, GPTConfig, lm_loss
 
 

@@ -19,9 +19,9 @@ import torch
 from torch.func import functional_call
 
 import zfunc
-from zfunc.metrics import MetricsLog, peak_memory_mib, plot_run, step_record
+from zfunc.tools.metrics import MetricsLog, peak_memory_mib, plot_run, step_record
 from zfunc.models import GPT, CharCorpus, GPTConfig, lm_loss
-from zfunc.train import split_micro_batches
+from zfunc.core.train import split_micro_batches
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import zfunc
-from zfunc.launch import World
+from zfunc.tools.launch import World
 from zfunc.models import GPT, GPTConfig, lm_loss
 
 _WORLDS: dict[int, World] = {}
@@ -86,7 +86,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[..., Any], Callable[..
 
 
 def split(batch: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
-    return zfunc.train.split_micro_batches(batch, n)
+    return zfunc.core.train.split_micro_batches(batch, n)
 
 
 def reference_run(name: str, world: int, steps: int, *, grad_accum: int, clip: float | None,

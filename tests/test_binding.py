@@ -372,7 +372,7 @@ def _runtime_imports(path: pathlib.Path) -> set[str]:
 
 def test_state_is_data_and_zfunc_has_no_import_circle():
     modules = {f"zfunc.{p.stem}": p for p in (ROOT / "zfunc").glob("*.py") if p.stem != "__init__"}
-    assert _runtime_imports(modules["zfunc.state"]) <= {"zfunc._tree"}
+    assert _runtime_imports(modules["zfunc.core.state"]) <= {"zfunc._tree"}
     graph = {m: {d for d in _runtime_imports(p) if d in modules} for m, p in modules.items()}
 
     def visit(m: str, path: list[str]) -> None:
@@ -382,5 +382,5 @@ def test_state_is_data_and_zfunc_has_no_import_circle():
 
     for m in graph:
         visit(m, [m])
-    assert "zfunc.config" not in _imports(modules["zfunc.deepspeed_config"])
+    assert "zfunc.core.config" not in _imports(modules["zfunc.compat.deepspeed_config"])
     assert _imports(modules["zfunc.errors"]) == set()

@@ -1,6 +1,6 @@
 """Stages 0-1: the step's last micro-batch reduces the accumulated gradient in its backward.
 
-Tiny ``bucket_mb`` cuts the fixtures into many buckets (`zfunc.buckets.Fold`). Checked: parity
+Tiny ``bucket_mb`` cuts the fixtures into many buckets (`zfunc.autograd.buckets.Fold`). Checked: parity
 with single-process torch AdamW at worlds 2 and 3 (the zoo has a tied weight, a frozen and an
 unused parameter, odd sizes), the same bits as the one-piece reduce at the step (world 2), a
 model called twice in the boundary micro-batch (one backward, and one backward per call in the
@@ -13,16 +13,16 @@ import pytest
 import torch
 
 import zfunc
-import zfunc.backward
-import zfunc.widen
+import zfunc.core.backward
+import zfunc.autograd.widen
 from tests.helpers import MODELS, bitwise_equal, max_param_diff, reference_run, run_ranks, split
-from zfunc.backward import record_micro
-from zfunc.buckets import Fold
+from zfunc.core.backward import record_micro
+from zfunc.autograd.buckets import Fold
 
 TOL = 2e-6
 SMALL = 0.0002  # MiB: about 50 fp32 elements per bucket
-_ENDS_STEP = zfunc.backward._ends_step
-_WIDEN_MIN = zfunc.widen._MIN
+_ENDS_STEP = zfunc.core.backward._ends_step
+_WIDEN_MIN = zfunc.autograd.widen._MIN
 
 
 def _cfg(stage: int, grad_accum: int, bucket_mb: float = SMALL) -> zfunc.Config:
@@ -33,7 +33,7 @@ def _cfg(stage: int, grad_accum: int, bucket_mb: float = SMALL) -> zfunc.Config:
 def _reduce_at(fold: bool) -> None:
     """Whether this rank's process reduces in the boundary's backward, or at the step as before
     the boundary reduce (the comparison run; the worlds' processes outlive a test, so both set it)."""
-    zfunc.backward._ends_step = _ENDS_STEP if fold else (lambda state: None)
+    zfunc.core.backward._ends_step = _ENDS_STEP if fold else (lambda state: None)
 
 
 def _train(rank: int, name: str, stage: int, grad_accum: int, fold: bool = True, steps: int = 4,
@@ -76,13 +76,13 @@ def test_boundary_reduce_matches_single_process_adamw(name, world, stage, grad_a
 
 
 def _bits(rank: int, stage: int, fold: bool, precision: str) -> list[torch.Tensor]:
-    import zfunc.widen
+    import zfunc.autograd.widen
 
-    zfunc.widen._MIN = 1  # bf16 gradients reach the accumulator through zfunc_kernels.accumulate
+    zfunc.autograd.widen._MIN = 1  # bf16 gradients reach the accumulator through zfunc_kernels.accumulate
     try:
         state, _, reduced = _train(rank, "zoo", stage, 3, fold=fold, steps=3, precision=precision)
     finally:
-        zfunc.widen._MIN = _WIDEN_MIN
+        zfunc.autograd.widen._MIN = _WIDEN_MIN
     assert reduced[-1][-1] == fold
     return [state.params, *zfunc.tree.leaves(state.opt)]
 

@@ -1,4 +1,4 @@
-"""Stage 2's bucketed gradient reduction during backward (`zfunc.buckets`).
+"""Stage 2's bucketed gradient reduction during backward (`zfunc.autograd.buckets`).
 
 Tiny ``bucket_mb`` cuts the fixtures into many buckets, so every path runs with several: parity
 with single-process torch at worlds 1-3 (a parameter unused on some ranks, a tied weight, odd
@@ -15,7 +15,7 @@ import torch
 
 import zfunc
 from tests.helpers import MODELS, max_param_diff, reference_run, run_ranks, split, zfunc_run
-from zfunc.buckets import plan_buckets
+from zfunc.autograd.buckets import plan_buckets
 
 TOL = 2e-6
 SMALL = 0.0002  # MiB: about 50 fp32 elements per bucket
@@ -43,8 +43,8 @@ def test_bucketed_stage2_matches_single_process_adamw(name, world):
 
 
 def test_buckets_cover_the_buffer_and_its_owners():
-    from zfunc.create import trainable_params, units_of
-    from zfunc.layout import make_layout
+    from zfunc.core.create import trainable_params, units_of
+    from zfunc.distributed.layout import make_layout
 
     model = MODELS["gpt"][0]()
     cfg = zfunc.Config(stage=2)

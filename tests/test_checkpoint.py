@@ -12,8 +12,8 @@ import torch
 
 import zfunc
 from tests.helpers import MODELS, bitwise_equal, run_ranks, snapshot
-from zfunc.launch import World, WorldError
-from zfunc.create import gather_by_name
+from zfunc.tools.launch import World, WorldError
+from zfunc.core.create import gather_by_name
 
 GLOBAL = 6  # samples per step, split evenly over 1, 2 or 3 ranks
 

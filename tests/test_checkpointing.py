@@ -1,6 +1,6 @@
 """Activation checkpointing (torch.utils.checkpoint, reentrant or not) trains as without it (bitwise
 when not reentrant), at every stage: the forward autograd recomputes in backward runs outside zfunc's call, on the
-latest call's parameters (`zfunc.binding.ModuleBinding._rebind_in`), never on the module's own."""
+latest call's parameters (`zfunc.autograd.binding.ModuleBinding._rebind_in`), never on the module's own."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def test_checkpointing_through_the_engine():
 def _late_part(rank: int) -> str:
     """Every parameter's gradient handed to the bucket reducer, then one of them again: its bucket's
     reduce is under way, so the late part is refused (it could not be added any more)."""
-    from zfunc.buckets import bucket_views
+    from zfunc.autograd.buckets import bucket_views
 
     torch.manual_seed(0)
     state = zfunc.init(Stack(2), zfunc.Config(stage=2))

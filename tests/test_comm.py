@@ -31,7 +31,7 @@ def _in_rank_order(xs: list[torch.Tensor], me: int) -> torch.Tensor:
 
 def _sums(rank: int, world: int, dtype: torch.dtype) -> dict:
     from zfunc import comm
-    from zfunc.mesh import make_mesh
+    from zfunc.distributed.mesh import make_mesh
 
     mesh = make_mesh(comm.world(), None)
     group = mesh.shard
@@ -79,7 +79,7 @@ def test_point_to_point_sums_are_the_sums_in_rank_order(world, dtype):
 
 
 def test_a_world_of_one_has_no_twin_group():
-    from zfunc.mesh import make_mesh
+    from zfunc.distributed.mesh import make_mesh
 
     mesh = make_mesh(zfunc.comm.world(), None)
     assert mesh.shard.p2p is None

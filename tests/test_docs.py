@@ -34,7 +34,7 @@ def test_public_name_has_a_doctest_example(qualname, obj):
 
 
 def test_import_emits_no_warnings():
-    code = "import zfunc, zfunc_kernels, zfunc.models, zfunc.metrics"
+    code = "import zfunc, zfunc_kernels, zfunc.models, zfunc.tools.metrics"
     proc = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
 

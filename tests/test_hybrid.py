@@ -13,7 +13,7 @@ import torch
 
 import zfunc
 from tests.helpers import MODELS, autocast_losses, bitwise_equal, max_param_diff, reference_run, run_ranks, zfunc_run
-from zfunc.create import gather_by_name
+from zfunc.core.create import gather_by_name
 
 STEPS = 6
 TOL = 2e-6

@@ -131,7 +131,7 @@ def _with_a_skipped_step(rank: int, stage: int, precision: str, offload: str | N
     for i in range(2):
         state = step(state, batch_fn(i, rank, 4))
     before = _everything(state)
-    for k, mb in enumerate(zfunc.train.split_micro_batches(batch_fn(2, rank, 4), 2)):
+    for k, mb in enumerate(zfunc.core.train.split_micro_batches(batch_fn(2, rank, 4), 2)):
         if k == 1 and rank == world - 1:  # before the last micro-batch (whose backward reduces at stages 0-1)
             grads = state.grads.clone()
             grads[grads.numel() // 2] = float("nan")

@@ -15,7 +15,7 @@ from torch import nn
 import zfunc
 from tests.helpers import MODELS, bitwise_equal, run_ranks, snapshot, split
 from tests.test_binding import BNNet, bn_batch, bn_loss
-from zfunc.launch import WorldError
+from zfunc.tools.launch import WorldError
 
 
 def _state(seed: int = 0, stage: int = 2) -> zfunc.TrainState:
@@ -75,7 +75,7 @@ def test_a_save_over_a_checkpoint_keeps_the_users_files(tmp_path):
     zfunc.save(first, str(path))
     assert sorted(os.listdir(mixed)) == ["__0_0.distcp", "meta.json", "mine.txt"] and not plain.exists()
     assert (path / "tokenizer.json").exists()
-    zfunc.commit.discard(str(mixed))  # and discard itself leaves what a save did not write
+    zfunc.io.commit.discard(str(mixed))  # and discard itself leaves what a save did not write
     assert os.listdir(mixed) == ["mine.txt"]
 
 
@@ -111,14 +111,14 @@ _CRASH_POINTS = ("write", "first_rename", "second_rename", "cleanup")
 def _crash_during_save(rank: int, old: str, new: str, path: str, point: str) -> None:
     """Save the old state at ``path`` (and copies at ``old``/``new``), then die at ``point`` while
     saving the new state over it."""
-    from zfunc import commit
+    from zfunc.io import commit
 
     first, second = _trained(1), _trained(2)
     zfunc.save(first, old)
     zfunc.save(second, new)
     zfunc.save(first, path)
     calls = {"replace": 0}
-    real_replace, real_discard, real_write = os.replace, commit.discard, zfunc.checkpoint._write
+    real_replace, real_discard, real_write = os.replace, commit.discard, zfunc.io.checkpoint._write
 
     def replace(a, b):
         if (point, calls["replace"]) in (("first_rename", 0), ("second_rename", 1)):
@@ -136,7 +136,7 @@ def _crash_during_save(rank: int, old: str, new: str, path: str, point: str) -> 
             os._exit(7)
         real_write(file, data)
 
-    os.replace, commit.discard, zfunc.checkpoint._write = replace, discard, write
+    os.replace, commit.discard, zfunc.io.checkpoint._write = replace, discard, write
     zfunc.save(second, path)
 
 

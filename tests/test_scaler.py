@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zfunc
-from zfunc.scaler import scaler_init, scaler_update
+from zfunc.core.scaler import scaler_init, scaler_update
 
 
 @dataclasses.dataclass

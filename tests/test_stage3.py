@@ -9,7 +9,7 @@ from torch.utils.checkpoint import checkpoint
 
 import zfunc
 from tests.helpers import max_param_diff, reference_run, run_ranks, zfunc_run
-from zfunc.gather import track_gathered
+from zfunc.autograd.gather import track_gathered
 
 
 def _parity(rank: int, name: str, grad_accum: int, units) -> tuple[float, int]:
@@ -90,7 +90,7 @@ def test_gathered_parameters_stay_near_one_unit():
 def _prefetched(rank: int, prefetch: int, ckpt: str | None) -> dict:
     """Five steps of a stack whose blocks run in reverse at step 2 (a wrong prediction, then a new
     order to learn) and whose block 1 runs twice; which gathers a prefetch had started."""
-    from zfunc.gather import UnitGatherer
+    from zfunc.autograd.gather import UnitGatherer
 
     torch.manual_seed(0)
     model = Stack(4, reuse=1)

@@ -108,14 +108,14 @@ def _raised_then_compiled(rank: int) -> tuple[int, bool]:
     import warnings
 
     state = zfunc.init(_Blocks(), zfunc.Config(stage=0))
-    sinks = zfunc.backward.sinks_into(state, torch.zeros(state.layout.full_numel))
+    sinks = zfunc.core.backward.sinks_into(state, torch.zeros(state.layout.full_numel))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's note on create_graph=True with .grad
         try:
-            zfunc.backward.bind(state, sinks)(torch.ones(2, 3)).sum().backward(create_graph=True)
+            zfunc.core.backward.bind(state, sinks)(torch.ones(2, 3)).sum().backward(create_graph=True)
         except RuntimeError as e:
             assert "create_graph" in str(e)
-    left = zfunc.cotangent.BACKWARDS
+    left = zfunc.autograd.cotangent.BACKWARDS
     return left, bool(_compiled(rank, 0, True))
 
 

@@ -2,57 +2,72 @@
 
 The training state (sharded parameters, gradients, optimizer moments, loss scaler) is one
 optree pytree, `TrainState`; `backward_step`, `accumulate` and `apply_step` transform it.
+
+This module is the public face; the package underneath is laid out by concern:
+
+- ``zfunc.core``: the state, `init`, the steps, config, optimizers, loss scaler, schedules;
+- ``zfunc.autograd``: how a forward call runs on a state and its gradients reach the state;
+- ``zfunc.distributed``: collectives (`zfunc.comm`), the mesh of ranks, the flat layout;
+- ``zfunc.io``: checkpoints and their atomic commit;
+- ``zfunc.compat``: the DeepSpeed-compatible engine, its optimizer view, config translation;
+- ``zfunc.tools``: launching local worlds, metrics, memory reports.
 """
 
 from __future__ import annotations
 
-from zfunc import comm as comm
-from zfunc import schedules as schedules
+import sys
+
 from zfunc._tree import tree as tree
-from zfunc.backward import accumulate as accumulate
-from zfunc.backward import backward_step as backward_step
-from zfunc.backward import vjp as vjp
-from zfunc.checkpoint import CheckpointError as CheckpointError
-from zfunc.checkpoint import export as export
-from zfunc.checkpoint import load as load
-from zfunc.checkpoint import save as save
-from zfunc.config import Config as Config
-from zfunc.create import full_params as full_params
-from zfunc.create import init as init
-from zfunc.engine import Engine as Engine
-from zfunc.engine import add_config_arguments as add_config_arguments
-from zfunc.engine import init_distributed as init_distributed
-from zfunc.engine import initialize as initialize
-from zfunc.launch import World as World
-from zfunc.launch import launch as launch
+from zfunc.autograd.forward_gather import settle as settle
+from zfunc.compat.engine import Engine as Engine
+from zfunc.compat.engine import add_config_arguments as add_config_arguments
+from zfunc.compat.engine import init_distributed as init_distributed
+from zfunc.compat.engine import initialize as initialize
+from zfunc.core import schedules as schedules
+from zfunc.core.backward import accumulate as accumulate
+from zfunc.core.backward import backward_step as backward_step
+from zfunc.core.backward import vjp as vjp
+from zfunc.core.config import Config as Config
+from zfunc.core.create import full_params as full_params
+from zfunc.core.create import init as init
+from zfunc.core.optim import AdagradConfig as AdagradConfig
+from zfunc.core.optim import AdamConfig as AdamConfig
+from zfunc.core.optim import LionConfig as LionConfig
+from zfunc.core.optim import ParamGroup as ParamGroup
+from zfunc.core.optim import SGDConfig as SGDConfig
+from zfunc.core.optim import adagrad as adagrad
+from zfunc.core.optim import adam as adam
+from zfunc.core.optim import adamw as adamw
+from zfunc.core.optim import lion as lion
+from zfunc.core.optim import sgd as sgd
+from zfunc.core.scaler import DynamicLossScale as DynamicLossScale
+from zfunc.core.scaler import ScalerState as ScalerState
+from zfunc.core.state import AdagradState as AdagradState
+from zfunc.core.state import AdamState as AdamState
+from zfunc.core.state import GroupHyper as GroupHyper
+from zfunc.core.state import LionState as LionState
+from zfunc.core.state import Metrics as Metrics
+from zfunc.core.state import SGDState as SGDState
+from zfunc.core.state import TrainState as TrainState
+from zfunc.core.train import train_step as train_step
+from zfunc.core.update import apply_step as apply_step
+from zfunc.core.update import learning_rate as learning_rate
+from zfunc.core.update import learning_rates as learning_rates
+from zfunc.core.update import set_hyperparams as set_hyperparams
+from zfunc.distributed import comm as comm
 from zfunc.errors import ConfigError as ConfigError
-from zfunc.memory import memory_plan as memory_plan
-from zfunc.memory import memory_report as memory_report
-from zfunc.optim import AdamConfig as AdamConfig
-from zfunc.optim import adam as adam
-from zfunc.optim import AdagradConfig as AdagradConfig
-from zfunc.optim import LionConfig as LionConfig
-from zfunc.optim import ParamGroup as ParamGroup
-from zfunc.optim import SGDConfig as SGDConfig
-from zfunc.optim import adagrad as adagrad
-from zfunc.optim import adamw as adamw
-from zfunc.optim import lion as lion
-from zfunc.optim import sgd as sgd
-from zfunc.regather import settle as settle
-from zfunc.scaler import DynamicLossScale as DynamicLossScale
-from zfunc.scaler import ScalerState as ScalerState
-from zfunc.state import AdagradState as AdagradState
-from zfunc.state import AdamState as AdamState
-from zfunc.state import LionState as LionState
-from zfunc.state import SGDState as SGDState
-from zfunc.state import GroupHyper as GroupHyper
-from zfunc.state import Metrics as Metrics
-from zfunc.state import TrainState as TrainState
-from zfunc.train import train_step as train_step
-from zfunc.update import apply_step as apply_step
-from zfunc.update import learning_rate as learning_rate
-from zfunc.update import learning_rates as learning_rates
-from zfunc.update import set_hyperparams as set_hyperparams
+from zfunc.io.checkpoint import CheckpointError as CheckpointError
+from zfunc.io.checkpoint import export as export
+from zfunc.io.checkpoint import load as load
+from zfunc.io.checkpoint import save as save
+from zfunc.tools.launch import World as World
+from zfunc.tools.launch import launch as launch
+from zfunc.tools.memory import memory_plan as memory_plan
+from zfunc.tools.memory import memory_report as memory_report
+
+# The public submodules keep their short import paths (``from zfunc.comm import all_reduce``).
+sys.modules[__name__ + ".comm"] = comm
+sys.modules[__name__ + ".schedules"] = schedules
 
 __version__ = "0.1.0"
 

@@ -148,7 +148,7 @@ def square64(x: Any) -> Any:
 # --------------------------------------------------------------------------- SGD, Lion, Adagrad
 # Each optimizer is a pair: ``*_constants(step, lr, hyper) -> tuple`` (per step, float64 derived
 # like torch, cast to float32 where used) and ``*_element(p, g, s1, s2, constants) -> (p, s1, s2)``
-# (one element, float32). ``s1``/``s2`` are the optimizer's state slots; an optimizer with one
+# (one element, float32). ``s1``/``s2`` are the optimizer's moments; an optimizer with one
 # slot passes its second through. ``hyper`` is a tuple of float64 in the order of the
 # optimizer's record in ``zfunc_kernels._records``.
 

@@ -1,7 +1,7 @@
 """DeepSpeed's JSON config turned into the fields of a `zfunc.Config` and the batch sizes.
 
 `translate` reads a config once and returns both; ``Config.from_deepspeed`` and
-`zfunc.initialize` call it (this module imports no ``zfunc.config``: the dependency runs one way).
+`zfunc.initialize` call it (this module imports no ``zfunc.core.config``: the dependency runs one way).
 
 The batch keys follow DeepSpeed's fill-in rules and its consistency check; ``optimizer``,
 ``scheduler``, ``fp16``, ``bf16``, ``torch_autocast``, ``data_types`` and ``zero_optimization``
@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from zfunc import schedules
+from zfunc.core import schedules
 from zfunc.errors import ConfigError
-from zfunc.optim import AdagradConfig, AdamConfig, LionConfig, SGDConfig
-from zfunc.scaler import FLOAT32_MAX, DynamicLossScale
+from zfunc.core.optim import AdagradConfig, AdamConfig, LionConfig, SGDConfig
+from zfunc.core.scaler import FLOAT32_MAX, DynamicLossScale
 
 __all__ = ["translate", "BatchSizes", "batch_sizes"]
 
@@ -85,7 +85,7 @@ def batch_sizes(ds: Mapping[str, Any], world_size: int) -> BatchSizes:
     """Fill in and check DeepSpeed's batch keys for ``world_size`` data-parallel ranks.
 
     Examples:
-        >>> from zfunc.deepspeed_config import batch_sizes
+        >>> from zfunc.compat.deepspeed_config import batch_sizes
         >>> batch_sizes({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 8}, world_size=2)
         BatchSizes(train_batch_size=32, micro_batch_size=8, grad_accum=2)
     """
@@ -321,7 +321,7 @@ def translate(ds: Mapping[str, Any] | str | os.PathLike,
     """The `zfunc.Config` fields and the batch sizes of a DeepSpeed config (a dict or a JSON path).
 
     Examples:
-        >>> from zfunc.deepspeed_config import translate
+        >>> from zfunc.compat.deepspeed_config import translate
         >>> fields, sizes = translate({
         ...     "train_batch_size": 32, "train_micro_batch_size_per_gpu": 8,
         ...     "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},

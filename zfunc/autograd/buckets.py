@@ -42,14 +42,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zfunc import comm
-from zfunc._vmap import VmapAsIs
+from zfunc.distributed import comm
+from zfunc.autograd._vmap import VmapAsIs
 from zfunc.errors import refuse_create_graph
-from zfunc.layout import Layout, Slot
-from zfunc.widen import add_into, copy_into
+from zfunc.distributed.layout import Layout, Slot
+from zfunc.autograd.widen import add_into, copy_into
 
 if TYPE_CHECKING:
-    from zfunc.state import TrainState
+    from zfunc.core.state import TrainState
 
 __all__ = ["Bucket", "Fold", "ShardPool", "Rebind", "plan_buckets", "bucket_views", "local_views", "reduce_group"]
 
@@ -71,7 +71,7 @@ def plan_buckets(layout: Layout, bucket_elements: int) -> tuple[Bucket, ...]:
     """Buckets of about ``bucket_elements`` over a one-unit layout, the end of the buffer first.
 
     Examples:
-        >>> from zfunc.layout import make_layout
+        >>> from zfunc.distributed.layout import make_layout
         >>> lay = make_layout([[("a", (4,)), ("b", (4,)), ("c", (2,))]], world=2, rank=0, align=1)
         >>> [(b.start, b.stop, [s.name for s in b.slots], b.pieces) for b in plan_buckets(lay, 6)]
         [(4, 10, ['b', 'c'], ((0, 4, 5), (1, 5, 10))), (0, 4, ['a'], ((0, 0, 4),))]
@@ -429,7 +429,7 @@ class Rebind:
 
     Examples:
         >>> import torch
-        >>> from zfunc.layout import Slot
+        >>> from zfunc.distributed.layout import Slot
         >>> got = []
         >>> rb = Rebind(torch.arange(4.0), {"w": (0, Slot("w", (2, 2), 0))}, lambda k, g: got.append(g))
         >>> w = rb.views(["w"])["w"]
@@ -441,7 +441,7 @@ class Rebind:
         self.compute, self.slots, self.take = compute, slots, take
         self.frozen: dict[str, torch.Tensor] = {}  # the call's frozen parameters, by name
         self.anchor: torch.Tensor | None = None
-        self.tasks: set[int] = set()  # the backwards that differentiate this call (`zfunc.gather.graph_task`)
+        self.tasks: set[int] = set()  # the backwards that differentiate this call (`zfunc.autograd.gather.graph_task`)
 
     def views(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Parameters ``names`` (trained or frozen) as the call had them."""
@@ -465,7 +465,7 @@ def bucket_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, .
     call's `Rebind`."""
     reducer = _Reducer(state, buckets, pool, sink, fold)
     hub = Collect.apply(reducer, sink)
-    compute = state.compute  # at stages 1-2 with units, each piece read after forward gathered it (zfunc.regather)
+    compute = state.compute  # at stages 1-2 with units, each piece read after forward gathered it (zfunc.autograd.forward_gather)
     rebind = _keep(hub, Rebind(compute, {s.name: (j, s) for j, (_, s) in enumerate(reducer.slots)}, reducer.take))
     by_bucket: list[list[tuple[Any, Slot]]] = [[] for _ in buckets]
     for j, (k, s) in enumerate(reducer.slots):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from zfunc.config import Config
-from zfunc.create import trainable_params, units_of
-from zfunc.layout import make_layout
-from zfunc.mesh import shard_ranks
-from zfunc.state import TrainState, accumulator_numel, is_released
+from zfunc.core.config import Config
+from zfunc.core.create import trainable_params, units_of
+from zfunc.distributed.layout import make_layout
+from zfunc.distributed.mesh import shard_ranks
+from zfunc.core.state import TrainState, accumulator_numel, is_released
 
 __all__ = ["memory_report", "memory_plan"]
 
@@ -41,7 +41,7 @@ def memory_report(state: TrainState) -> dict[str, int]:
             seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
         return sum(seen.values())
 
-    slots = [getattr(state.opt, n) for n in state.cfg.optimizer.slots]
+    slots = [getattr(state.opt, n) for n in state.cfg.optimizer.moments]
     grads = 0 if is_released(state.grads) else nbytes(state.grads)
     rep = {"params": nbytes(state.params, state.compute), "grads": grads,
            "optimizer": sum(nbytes(t) for t in slots)}
@@ -88,6 +88,6 @@ def memory_plan(model: torch.nn.Module, cfg: Config, world_size: int) -> dict[st
     shared = cfg.compute_dtype == cfg.master_dtype and not offload  # the master is a view of the compute copy
     master = 0 if shared else opt_numel * size(cfg.master_dtype)
     grads = accumulator_numel(cfg, lay) * size(cfg.grad_accum_dtype)
-    optimizer = len(cfg.optimizer.slots) * opt_numel * size(cfg.moment_dtype)
+    optimizer = len(cfg.optimizer.moments) * opt_numel * size(cfg.moment_dtype)
     plan = {"params": compute + master, "grads": grads, "optimizer": optimizer}
     return _totals(plan, master + optimizer if offload else 0)

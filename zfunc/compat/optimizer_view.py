@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zfunc.errors import ConfigError
-from zfunc.optim import OPTIMIZERS, AdagradConfig, AdamConfig, ParamGroup, SGDConfig
+from zfunc.core.optim import OPTIMIZERS, AdagradConfig, AdamConfig, ParamGroup, SGDConfig
 
 if TYPE_CHECKING:
-    from zfunc.engine import Engine
+    from zfunc.compat.engine import Engine
 
 __all__ = ["GroupPlan", "plan_groups", "OptimizerView", "HYPER_KEYS"]
 
@@ -182,7 +182,7 @@ class OptimizerView(torch.optim.Optimizer):
 
     def write_back(self) -> None:
         """Show the state's hyperparameters (and the learning rates a schedule computed) in the dicts."""
-        from zfunc.update import learning_rates
+        from zfunc.core.update import learning_rates
 
         h, opt = self._engine.state.hyper, self._engine.config.optimizer
         scheduled = self._engine.config.lr_schedule is not None

@@ -4,7 +4,7 @@ The engine holds one `TrainState` and calls the same functions a functional loop
 binds the module to the state through sink leaves whose ``.grad`` *is* the state's gradient
 buffer, so every way of running backward (``engine.backward(loss)``, ``loss.backward()``,
 ``out.backward(grad)``, one loss over several engines, ``retain_graph``) accumulates straight
-into the state; ``step()`` records the micro-batch (`zfunc.backward.record_micro`, the record
+into the state; ``step()`` records the micro-batch (`zfunc.core.backward.record_micro`, the record
 every functional step uses) and, at the boundary, runs `apply_step` donating the state. No hook
 counting and no private autograd API are involved.
 
@@ -21,19 +21,19 @@ from typing import Any
 
 import torch
 
-from zfunc import comm
-from zfunc.backward import bind, boundary_fold, point_sinks, record_micro, sinks_into
-from zfunc.buckets import Fold
-from zfunc.checkpoint import load, read_extra, save
-from zfunc.config import Config
-from zfunc.create import full_params, init
-from zfunc.deepspeed_config import BatchSizes, translate
+from zfunc.distributed import comm
+from zfunc.core.backward import bind, boundary_fold, point_sinks, record_micro, sinks_into
+from zfunc.autograd.buckets import Fold
+from zfunc.io.checkpoint import load, read_extra, save
+from zfunc.core.config import Config
+from zfunc.core.create import full_params, init
+from zfunc.compat.deepspeed_config import BatchSizes, translate
 from zfunc.errors import ConfigError
-from zfunc.optim import OPTIMIZERS
-from zfunc.regather import settle
-from zfunc.shim_optim import OptimizerView, plan_groups
-from zfunc.state import TrainState, accumulator, is_released
-from zfunc.update import apply_step, learning_rates, set_hyperparams
+from zfunc.core.optim import OPTIMIZERS
+from zfunc.autograd.forward_gather import settle
+from zfunc.compat.optimizer_view import OptimizerView, plan_groups
+from zfunc.core.state import TrainState, accumulator, is_released
+from zfunc.core.update import apply_step, learning_rates, set_hyperparams
 
 __all__ = ["Engine", "initialize", "init_distributed", "add_config_arguments"]
 

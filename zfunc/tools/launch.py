@@ -67,7 +67,7 @@ class World:
         timeout: seconds a call may take before the world is torn down.
 
     Examples:
-        >>> from zfunc.launch import World
+        >>> from zfunc.tools.launch import World
         >>> with World(1) as w:
         ...     w.run(max, 5)
         [5]
@@ -175,7 +175,7 @@ def launch(fn: Callable[..., Any], world_size: int = 2, args: tuple = (), backen
     if _under_torchrun():
         import torch.distributed as dist
 
-        from zfunc import comm
+        from zfunc.distributed import comm
         created = not (dist.is_available() and dist.is_initialized())
         comm.init_from_env(backend)
         try:

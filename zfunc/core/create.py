@@ -1,8 +1,8 @@
 """`init`: a model and a `Config` become the first `TrainState`; `full_params` reads it back.
 
 ``init`` checks that every rank built the same model, groups the trainable parameters into
-units (`zfunc.layout`), broadcasts rank 0's values, keeps this rank's shards, and binds the
-module to the layout (`zfunc.binding.ModuleBinding`).
+units (`zfunc.distributed.layout`), broadcasts rank 0's values, keeps this rank's shards, and binds the
+module to the layout (`zfunc.autograd.binding.ModuleBinding`).
 """
 
 from __future__ import annotations
@@ -11,17 +11,17 @@ import dataclasses
 
 import torch
 
-from zfunc import comm
-from zfunc.binding import ModuleBinding, was_donated
-from zfunc.config import Config
-from zfunc.donation import check_live
+from zfunc.distributed import comm
+from zfunc.autograd.binding import ModuleBinding, was_donated
+from zfunc.core.config import Config
+from zfunc.core.donation import check_live
 from zfunc.errors import ConfigError
-from zfunc.layout import Layout, make_layout, master_view
-from zfunc.mesh import Mesh, make_mesh
-from zfunc.optim import assign_groups
-from zfunc.scaler import scaler_init
-from zfunc.state import GroupHyper, Metrics, TrainState, accumulator_numel, host_flag, released_grads
-from zfunc.update import learning_rate
+from zfunc.distributed.layout import Layout, make_layout, master_view
+from zfunc.distributed.mesh import Mesh, make_mesh
+from zfunc.core.optim import assign_groups
+from zfunc.core.scaler import scaler_init
+from zfunc.core.state import GroupHyper, Metrics, TrainState, accumulator_numel, host_flag, released_grads
+from zfunc.core.update import learning_rate
 
 __all__ = ["init", "full_params", "gather_by_name", "units_of", "group_hyper", "trainable_params", "place_master"]
 
@@ -154,7 +154,7 @@ def group_hyper(cfg: Config) -> GroupHyper:
 
 
 def mesh_of(cfg: Config, group: comm.Group) -> Mesh:
-    """The `zfunc.mesh.Mesh` ``cfg.shard_size`` makes of ``group`` (checked against its size)."""
+    """The `zfunc.distributed.mesh.Mesh` ``cfg.shard_size`` makes of ``group`` (checked against its size)."""
     if cfg.stage == 0 and cfg.shard_size not in (None, group.size):
         raise ConfigError(f"shard_size: {cfg.shard_size} with stage 0, which shards nothing (every rank holds "
                           f"everything); use stage 1-3 with shard_size, or leave shard_size None")
@@ -254,9 +254,9 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
     del full_master
     params, compute = place_master(master, cfg, layout, mesh)
     opt = cfg.optimizer
-    slots = {name: torch.full((params.numel(),), opt.slot_init, dtype=cfg.moment_dtype, device=params.device,
+    moments = {name: torch.full((params.numel(),), opt.moment_init, dtype=cfg.moment_dtype, device=params.device,
                               pin_memory=params.is_pinned())
-             for name in opt.slots}
+             for name in opt.moments}
 
     def scalar(v: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.tensor(v, dtype=dtype, device=device)
@@ -268,7 +268,7 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
     state = TrainState(
         params=params, compute=compute,
         grads=released_grads(accumulator_numel(cfg, layout), cfg.grad_accum_dtype, device),
-        opt=opt.state_class(**slots, count=torch.zeros((), dtype=torch.int64, device=params.device)),
+        opt=opt.state_class(**moments, count=torch.zeros((), dtype=torch.int64, device=params.device)),
         hyper=group_hyper(cfg),
         scaler=scaler, step=scalar(0, torch.int64), micro_step=torch.zeros((), dtype=torch.int64),
         loss_sum=scalar(0.0),

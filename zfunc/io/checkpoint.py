@@ -8,7 +8,7 @@ parameter and offset, not by rank, ``load`` can cut them differently: another wo
 another ZeRO stage. Rank 0 stores the replicated tensors (scalars, frozen parameters, buffers),
 so a checkpoint holds rank 0's values of those. Every piece's CRC-32 is recorded in
 ``meta.json`` and checked by ``load``. A save never replaces anything but a zfunc checkpoint,
-and commits through `zfunc.commit` so that at every instant of a crash ``load(path)`` finds the
+and commits through `zfunc.io.commit` so that at every instant of a crash ``load(path)`` finds the
 old or the new complete checkpoint. Every failure is a `zfunc.CheckpointError`.
 """
 
@@ -26,13 +26,15 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from zfunc import comm, commit
+from zfunc.distributed import comm
+
+from zfunc.io import commit
 from zfunc._tree import tree
-from zfunc.create import full_params, place_master
-from zfunc.donation import check_live
+from zfunc.core.create import full_params, place_master
+from zfunc.core.donation import check_live
 from zfunc.errors import CheckpointError
-from zfunc.layout import Layout, Unit
-from zfunc.state import TrainState, accumulator_numel, host_flag, released_grads
+from zfunc.distributed.layout import Layout, Unit
+from zfunc.core.state import TrainState, accumulator_numel, host_flag, released_grads
 
 __all__ = ["save", "load", "export", "exists", "CheckpointError", "read_meta", "read_extra"]
 
@@ -195,16 +197,16 @@ def exists(path: str | os.PathLike) -> bool:
     Examples:
         >>> import tempfile, torch, zfunc
         >>> d = tempfile.mkdtemp() + "/ckpt"
-        >>> before = zfunc.checkpoint.exists(d)
+        >>> before = zfunc.io.checkpoint.exists(d)
         >>> _ = zfunc.save(zfunc.init(torch.nn.Linear(2, 1), zfunc.Config()), d)
-        >>> before, zfunc.checkpoint.exists(d)
+        >>> before, zfunc.io.checkpoint.exists(d)
         (False, True)
     """
     return commit.locate(os.path.abspath(os.fspath(path))) is not None
 
 
 def locate(path: str | os.PathLike) -> str:
-    """The directory holding the complete checkpoint ``path`` stands for (see `zfunc.commit`).
+    """The directory holding the complete checkpoint ``path`` stands for (see `zfunc.io.commit`).
 
     Raises:
         CheckpointError: there is none.
@@ -371,7 +373,7 @@ def _assemble(like: TrainState, roles: dict[str, torch.Tensor], s: dict[str, tor
         torch.set_rng_state(rng)
     grads = released_grads(accumulator_numel(cfg, like.layout), cfg.grad_accum_dtype, like.device)
     return like.replace(params=master, compute=compute, gathered=host_flag(True), grads=grads, reduced=False,
-                        opt=cfg.optimizer.state_class(**{n: roles[n] for n in cfg.optimizer.slots}, count=s["count"]),
+                        opt=cfg.optimizer.state_class(**{n: roles[n] for n in cfg.optimizer.moments}, count=s["count"]),
                         **records, step=s["step"], micro_step=s["micro_step"],
                         loss_sum=s["loss_sum"], frozen={n: frozen[n] for n in like.frozen},
                         buffers={n: frozen[n] for n in like.buffers})
@@ -386,11 +388,11 @@ def _reraise(e: BaseException, what: str) -> None:
 
 def _roles(state: TrainState) -> tuple[str, ...]:
     """What is stored per parameter piece: the master weights and the optimizer's slots."""
-    return ("master", *state.cfg.optimizer.slots)
+    return ("master", *state.cfg.optimizer.moments)
 
 
 def _slots(state: TrainState) -> list[torch.Tensor]:
-    return [getattr(state.opt, n) for n in state.cfg.optimizer.slots]
+    return [getattr(state.opt, n) for n in state.cfg.optimizer.moments]
 
 
 def _replicated(state: TrainState) -> dict[str, torch.Tensor]:

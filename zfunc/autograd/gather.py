@@ -2,7 +2,7 @@
 
 Forward gathers the *root* unit (parameters outside every unit, and the small ones below the
 persistence threshold) once per call. Every other unit is gathered when its module starts (the
-`zfunc.binding.ModuleBinding`'s forward pre-hook calls `UnitGatherer.enter`), through the
+`zfunc.autograd.binding.ModuleBinding`'s forward pre-hook calls `UnitGatherer.enter`), through the
 differentiable `_GatherUnit` (its backward starts the unit's reduce-scatter asynchronously;
 a collector node hands the shards to the sinks at the end of backward), and released when the
 module returns (`UnitGatherer.leave`). Autograd would keep the gathered
@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from zfunc import comm
-from zfunc._vmap import VmapAsIs
-from zfunc.buckets import Collect
+from zfunc.distributed import comm
+from zfunc.autograd._vmap import VmapAsIs
+from zfunc.autograd.buckets import Collect
 from zfunc.errors import refuse_create_graph
 
 __all__ = ["UnitGatherer", "track_gathered", "check_same_units", "in_backward", "in_transform", "graph_task"]
@@ -58,7 +58,7 @@ def track_gathered() -> Iterator[dict[str, int]]:
     """Measure the peak bytes of gathered stage-3 parameters alive inside the block.
 
     Examples:
-        >>> from zfunc.gather import track_gathered
+        >>> from zfunc.autograd.gather import track_gathered
         >>> with track_gathered() as stats:
         ...     pass
         >>> stats["peak"]
@@ -97,7 +97,7 @@ def in_transform() -> bool:
 
 def graph_task() -> int:
     """The id of the backward autograd is running now (-1 outside one): how a forward recomputed
-    in backward finds the call being differentiated (`zfunc.binding.ModuleBinding._source`)."""
+    in backward finds the call being differentiated (`zfunc.autograd.binding.ModuleBinding._source`)."""
     return torch._C._current_graph_task_id()
 
 
@@ -107,7 +107,7 @@ _IN_FLIGHT = 2  # units whose reduce-scatter may still run while backward goes o
 class _UnitReducer:
     """One forward call's stage-3 reduce-scatters, asynchronous: a unit's starts as soon as its
     backward is done and is waited for at most ``_IN_FLIGHT`` units later, or at the end by the
-    collector node (`zfunc.buckets.Collect`), which hands each sink its unit's shard. The graph
+    collector node (`zfunc.autograd.buckets.Collect`), which hands each sink its unit's shard. The graph
     holds it (the collector's context) and it holds the gatherer weakly: no reference cycle keeps
     a call, and the state it ran on, alive after its graph is gone."""
 

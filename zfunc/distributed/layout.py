@@ -54,7 +54,7 @@ class Layout:
 
     Examples:
         >>> import torch
-        >>> from zfunc.layout import make_layout
+        >>> from zfunc.distributed.layout import make_layout
         >>> lay = make_layout([[("w", (3, 3)), ("b", (3,))]], world=2, rank=1, align=4)
         >>> u = lay.units[0]
         >>> u.numel, u.padded, u.shard, lay.owned(u)

@@ -1,4 +1,4 @@
-"""Stages 1-2 with Config.units: the next forward gathers the step's parameters unit by unit (zfunc.regather)."""
+"""Stages 1-2 with Config.units: the next forward gathers the step's parameters unit by unit (zfunc.autograd.forward_gather)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from torch import nn
 
 import zfunc
 from tests.helpers import (MODELS, bitwise_equal, max_param_diff, reference_run, run_ranks, snapshot, zfunc_run)
-from zfunc import regather
+from zfunc.autograd import forward_gather as regather
 from zfunc.models import GPT, GPTConfig, lm_loss
 from zfunc.models.gpt import Block
 

@@ -1,7 +1,7 @@
 """`torch.func.vmap` through zfunc's autograd Functions.
 
 zfunc's Functions work on the state's tensors (the compute buffer, sinks, collectors), which a
-user's ``vmap`` over the bound model never batches; only `zfunc.cotangent.ScaleCotangent` sees
+user's ``vmap`` over the bound model never batches; only `zfunc.autograd.cotangent.ScaleCotangent` sees
 the model's (batched) inputs and outputs, and it is the identity in forward. So one rule serves
 them all: apply the Function to the inputs as they are, and an output is batched along the dim
 of its one batched input.

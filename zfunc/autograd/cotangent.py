@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from zfunc._tree import tree
-from zfunc._vmap import VmapAsIs
-from zfunc.gather import graph_task
+from zfunc.autograd._vmap import VmapAsIs
+from zfunc.autograd.gather import graph_task
 
 __all__ = ["ScaleCotangent", "scale_tree", "BACKWARDS"]
 

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from zfunc.deepspeed_config import translate
+from zfunc.compat.deepspeed_config import translate
 from zfunc.errors import ConfigError, check, is_finite_number, is_positive_int
-from zfunc.optim import OPTIMIZERS, AdamConfig, ParamGroup, adam, adamw
-from zfunc.scaler import FLOAT32_MAX, DynamicLossScale
+from zfunc.core.optim import OPTIMIZERS, AdamConfig, ParamGroup, adam, adamw
+from zfunc.core.scaler import FLOAT32_MAX, DynamicLossScale
 
 __all__ = ["Config", "ConfigError", "AdamConfig", "ParamGroup", "adam", "adamw", "DynamicLossScale"]
 
@@ -48,7 +48,7 @@ class Config:
             elements of the model's ``nn.ModuleList``s, e.g. its transformer blocks). Stages
             1-2: given, the step's all-gather of the updated parameters runs unit by unit and
             overlaps the next forward, each unit waited for when its module starts
-            (`zfunc.regather`); a unit's parameters must then be used inside its module's forward
+            (`zfunc.autograd.forward_gather`); a unit's parameters must then be used inside its module's forward
             only, as at stage 3. ``None`` at stages 1-2: gathered before `zfunc.apply_step` returns.
         param_groups: `zfunc.ParamGroup`s giving some parameters their own learning rate, weight
             decay, betas or eps (group ``i + 1``; parameters in none are group 0, the
@@ -197,7 +197,7 @@ class Config:
 
     @classmethod
     def from_deepspeed(cls, ds: Mapping[str, Any] | str, world_size: int = 1) -> Config:
-        """A `Config` from a DeepSpeed config dict or JSON path (`zfunc.deepspeed_config.translate`).
+        """A `Config` from a DeepSpeed config dict or JSON path (`zfunc.compat.deepspeed_config.translate`).
 
         Examples:
             >>> import zfunc

@@ -2,7 +2,7 @@
 
 Leaves are tensors; what never changes during training (the module binding, the config, the
 layout, the group) is static metadata. Reading a device leaf is the only thing that syncs with
-the host. `zfunc.create.init` makes a state; the step functions transform it.
+the host. `zfunc.core.create.init` makes a state; the step functions transform it.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import torch
 from zfunc._tree import dataclass, field
 
 if TYPE_CHECKING:
-    from zfunc.binding import ModuleBinding
-    from zfunc.comm import Group
-    from zfunc.config import Config
-    from zfunc.layout import Layout
-    from zfunc.mesh import Mesh
-    from zfunc.scaler import ScalerState
+    from zfunc.autograd.binding import ModuleBinding
+    from zfunc.distributed.comm import Group
+    from zfunc.core.config import Config
+    from zfunc.distributed.layout import Layout
+    from zfunc.distributed.mesh import Mesh
+    from zfunc.core.scaler import ScalerState
 
 __all__ = ["TrainState", "AdamState", "SGDState", "LionState", "AdagradState", "GroupHyper", "Metrics",
            "released_grads", "is_released", "accumulator", "accumulator_numel", "host_flag"]
@@ -195,12 +195,12 @@ class TrainState:
             Between optimizer steps it is released (`released_grads`: zeros that hold no memory).
         reduced: ``grads`` holds the step's reduced gradient already (this rank's shard at stage 1,
             the all-reduced sum at stage 0): the step's last micro-batch reduced it during its
-            backward (`zfunc.buckets.Fold`), so `zfunc.apply_step` does not reduce again. Host
+            backward (`zfunc.autograd.buckets.Fold`), so `zfunc.apply_step` does not reduce again. Host
             metadata, False except between that micro-batch and the step.
         opt: the optimizer's state record (`AdamState`, `SGDState`, `LionState`,
-            `AdagradState`), its slots shaped like ``params``.
+            `AdagradState`), its moments shaped like ``params``.
         hyper: `GroupHyper`: each parameter group's learning rate, weight decay, betas, eps.
-        scaler: `zfunc.scaler.ScalerState`.
+        scaler: `zfunc.core.scaler.ScalerState`.
         step: optimizer steps taken (skipped ones included), int64, on the device. The loss
             scaler's window counts these too.
         micro_step: micro-batches accumulated since the last step, an int64 on the *host* (the
@@ -214,10 +214,10 @@ class TrainState:
             a forward that updates them (BatchNorm's running statistics) returns new ones.
         gathered: a bool on the host: ``compute`` holds every rank's slice. False only at stages
             1-2 with ``Config.units`` between `zfunc.apply_step` and the next forward, which
-            gathers the other slices unit by unit as its modules run (`zfunc.regather`); until
+            gathers the other slices unit by unit as its modules run (`zfunc.autograd.forward_gather`); until
             then they hold earlier values. `zfunc.settle` gathers them at once.
-        binding: the `zfunc.binding.ModuleBinding` (the module and the hooks zfunc put on it).
-        mesh: the `zfunc.mesh.Mesh`: the world, the ranks the state is sharded over, and the
+        binding: the `zfunc.autograd.binding.ModuleBinding` (the module and the hooks zfunc put on it).
+        mesh: the `zfunc.distributed.mesh.Mesh`: the world, the ranks the state is sharded over, and the
             replicas of each shard (``Config.shard_size``).
 
     Examples:

@@ -3,7 +3,7 @@
 A `ModuleBinding` is made once per (module, layout) by `zfunc.init` and is static metadata of
 the state. It owns everything zfunc adds to the user's module: at stage 3 a forward pre-hook and
 post-hook on each unit module (they gather the unit for the call that runs it; at stages 1-2 with
-`Config.units` they wait for the unit's all-gather, `zfunc.regather`), a pre-hook and post-hook
+`Config.units` they wait for the unit's all-gather, `zfunc.autograd.forward_gather`), a pre-hook and post-hook
 on each module holding parameters (inert except while a zfunc model's backward recomputes a
 forward, activation checkpointing), and, when the module was donated
 (``init(..., donate=True)``), a guard that refuses direct calls (which stays). The hooks hold the
@@ -14,7 +14,7 @@ modules or tensors.
 
 `ModuleBinding.bind` gives a `BoundModel`: the module as a function of its inputs, running on
 one state's tensors through `torch.func.functional_call`, with the cotangent factor on its
-outputs (`zfunc.cotangent`) and its buffers' new values kept for the state that follows.
+outputs (`zfunc.autograd.cotangent`) and its buffers' new values kept for the state that follows.
 """
 
 from __future__ import annotations
@@ -30,17 +30,17 @@ import torch
 from torch.func import functional_call
 from torch.utils.hooks import RemovableHandle
 
-from zfunc import cotangent
+from zfunc.autograd import cotangent
 from zfunc._tree import tree
-from zfunc.buckets import Bucket, Fold, ShardPool, bucket_views, local_views, plan_buckets
-from zfunc.cotangent import scale_tree
-from zfunc.gather import UnitGatherer, check_same_units, graph_task
-from zfunc.gather import in_backward as _in_backward
-from zfunc.layout import Layout
-from zfunc.regather import ROOT, Gathering, GatherPlan, Unbound, UnitViews, plan_gathers, start_gathers
+from zfunc.autograd.buckets import Bucket, Fold, ShardPool, bucket_views, local_views, plan_buckets
+from zfunc.autograd.cotangent import scale_tree
+from zfunc.autograd.gather import UnitGatherer, check_same_units, graph_task
+from zfunc.autograd.gather import in_backward as _in_backward
+from zfunc.distributed.layout import Layout
+from zfunc.autograd.forward_gather import ROOT, Gathering, GatherPlan, Unbound, UnitViews, plan_gathers, start_gathers
 
 if TYPE_CHECKING:
-    from zfunc.state import TrainState
+    from zfunc.core.state import TrainState
 
 __all__ = ["ModuleBinding", "BoundModel", "was_donated"]
 
@@ -82,10 +82,10 @@ class ModuleBinding:
 
     Args:
         module: the user's module.
-        layout: the state's `zfunc.layout.Layout`.
+        layout: the state's `zfunc.distributed.layout.Layout`.
         stage: the ZeRO stage (hooks are installed at stage 3, and at stages 1-2 for ``units``).
         units: stages 1-2: ``(module name, parameter names)`` of each unit whose all-gather the
-            next forward waits for when the module starts (`zfunc.regather`); empty: none.
+            next forward waits for when the module starts (`zfunc.autograd.forward_gather`); empty: none.
 
     Examples:
         >>> import torch, zfunc
@@ -125,7 +125,7 @@ class ModuleBinding:
         self._buckets: tuple[Bucket, ...] | None = None
         self._pool: ShardPool | None = None  # the bucket reducer's result buffers, with the buckets
         self.gather_plan: GatherPlan | None = None  # stages 1-2 with units
-        # The calls whose backward can still run (a `zfunc.buckets.Rebind` at stages 0-2, a
+        # The calls whose backward can still run (a `zfunc.autograd.buckets.Rebind` at stages 0-2, a
         # `UnitGatherer` at stage 3; each graph keeps its own), for a forward recomputed in
         # backward (`_source`), and what the recompute hooks swapped, per module.
         self._pending: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -139,7 +139,7 @@ class ModuleBinding:
         self._install_recompute_hooks()
 
     def buckets(self, state: TrainState) -> tuple[Bucket, ...]:
-        """The gradient buckets of stages 0-2 (`zfunc.buckets`), planned on first use."""
+        """The gradient buckets of stages 0-2 (`zfunc.autograd.buckets`), planned on first use."""
         if self._buckets is None:
             cfg = state.cfg
             size = torch.empty((), dtype=cfg.reduce_dtype).element_size()
@@ -304,7 +304,7 @@ class ModuleBinding:
             else:  # the state is gone: its parameters with it; the module stays empty
                 _refuse_donated(mod)
 
-        # These hooks stay when the binding goes: the parameters are empty for good. On the root
+        # These hooks stay when the binding goes: the parameters are empty for good. On the top module
         # and on every module holding trained parameters (a unit module called on its own).
         holders = {id(owner): owner for _, owner, _ in self._slots(list(self.layout.names))}
         guarded = {id(self.module): self.module, **holders}.values()
@@ -315,7 +315,7 @@ class ModuleBinding:
     def route(self, bound: Callable[[], BoundModel]) -> None:
         """Calls of the module itself run on the state ``bound()`` binds, as calls of the bound
         model do (the engine's ``engine.module``): same parameters, gradients into the state,
-        the cotangent factor on inputs and outputs. Two hooks on the root module do it."""
+        the cotangent factor on inputs and outputs. Two hooks on the top module do it."""
         modules = dict(self.module.named_modules(remove_duplicate=False))
         canon = {id(t): n for n, t in [*self.module.named_parameters(), *self.module.named_buffers()]}
         self._members = []
@@ -420,7 +420,7 @@ class BoundModel:
     """The module as a function of its inputs, running on one state's tensors.
 
     Gradients of anything computed from its outputs reach ``sinks`` (see
-    `zfunc.backward.sinks_into`). ``buffers`` (cloned by the caller unless donated) receive
+    `zfunc.core.backward.sinks_into`). ``buffers`` (cloned by the caller unless donated) receive
     the buffers' new values, e.g. BatchNorm running statistics, for the state that follows.
     With ``fold`` (stages 0-1, the step's last micro-batch) backward reduces the accumulator.
     """
@@ -485,7 +485,7 @@ class BoundModel:
             if torch.is_grad_enabled() and not _in_backward():  # a backward will follow (its graph keeps it)
                 binding._pending.add(rebind)
             # Stages 1-2 after a step with units: this call gathers the other ranks' slices
-            # (`zfunc.regather`), all issued now, each waited for as its unit's module starts.
+            # (`zfunc.autograd.forward_gather`), all issued now, each waited for as its unit's module starts.
             pending = None if bool(state.gathered) else start_gathers(state)
             if binding.gather_plan is not None:  # stages 1-2 with units: bound as their modules run
                 if pending is not None:

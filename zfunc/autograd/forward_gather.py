@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from zfunc import comm
-from zfunc.gather import in_backward
-from zfunc.layout import Layout
+from zfunc.distributed import comm
+from zfunc.autograd.gather import in_backward
+from zfunc.distributed.layout import Layout
 
 __all__ = ["GatherPlan", "Gathering", "plan_gathers", "start_gathers", "settle", "UnitViews", "Unbound"]
 
@@ -46,7 +46,7 @@ class GatherPlan:
     unit holds (padding included), ``units[i]`` unit ``i``'s parameters; ``names[i]`` their names.
 
     Examples:
-        >>> from zfunc.layout import make_layout
+        >>> from zfunc.distributed.layout import make_layout
         >>> lay = make_layout([[("a", (2,)), ("b", (3,)), ("c", (1,))]], world=2, rank=0, align=1)
         >>> plan = plan_gathers(lay, [["b"]])
         >>> plan.root, plan.units
@@ -73,7 +73,7 @@ def plan_gathers(layout: Layout, units: Sequence[Sequence[str]]) -> GatherPlan:
     """The pieces of a one-unit layout for ``units`` (each a list of parameter names).
 
     Examples:
-        >>> from zfunc.layout import make_layout
+        >>> from zfunc.distributed.layout import make_layout
         >>> lay = make_layout([[("a", (2,)), ("b", (3,)), ("c", (1,))]], world=1, rank=0, align=4)
         >>> plan_gathers(lay, [["a"], ["c"]])
         GatherPlan(root=((2, 5), (6, 8)), units=(((0, 2),), ((5, 6),)), names=(('a',), ('c',)))

@@ -15,7 +15,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
-    from zfunc.state import TrainState
+    from zfunc.core.state import TrainState
 
 __all__ = ["Donated", "donate_", "check_live"]
 

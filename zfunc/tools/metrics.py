@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import IO, Any
 
-from zfunc.state import TrainState
+from zfunc.core.state import TrainState
 
 __all__ = ["MetricsLog", "step_record", "plot_run", "peak_memory_mib"]
 
@@ -22,7 +22,7 @@ def peak_memory_mib(device: Any = None) -> float:
     """Peak memory of this process so far: CUDA allocated on a GPU, resident set size on CPU.
 
     Examples:
-        >>> from zfunc.metrics import peak_memory_mib
+        >>> from zfunc.tools.metrics import peak_memory_mib
         >>> peak_memory_mib() > 0
         True
     """
@@ -40,7 +40,7 @@ def step_record(state: TrainState) -> dict[str, float]:
 
     Examples:
         >>> import torch, zfunc
-        >>> from zfunc.metrics import step_record
+        >>> from zfunc.tools.metrics import step_record
         >>> rec = step_record(zfunc.init(torch.nn.Linear(2, 1), zfunc.Config()))
         >>> sorted(rec)
         ['grad_norm', 'loss', 'loss_scale', 'lr', 'skipped', 'step']
@@ -63,7 +63,7 @@ class MetricsLog:
 
     Examples:
         >>> import io
-        >>> from zfunc.metrics import MetricsLog
+        >>> from zfunc.tools.metrics import MetricsLog
         >>> out = io.StringIO()
         >>> with MetricsLog(None, total=2, stream=out) as log:
         ...     log.write({"step": 1, "loss": 2.5})
@@ -168,7 +168,7 @@ def plot_run(jsonl: str | os.PathLike, png: str | os.PathLike,
 def _main(argv: Sequence[str] | None = None) -> None:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m zfunc.metrics", description="Plot a JSONL run to PNG.")
+    p = argparse.ArgumentParser(prog="python -m zfunc.tools.metrics", description="Plot a JSONL run to PNG.")
     p.add_argument("jsonl")
     p.add_argument("png", nargs="?")
     a = p.parse_args(argv)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from zfunc.comm import Group
+from zfunc.distributed.comm import Group
 from zfunc.errors import ConfigError
 
 __all__ = ["Mesh", "make_mesh", "shard_ranks"]

@@ -1,6 +1,6 @@
 """Gradients into the state: `backward_step`, `vjp` and `accumulate`, and the one micro-batch record.
 
-Forward runs the module bound to the state (`zfunc.binding.BoundModel`): each unit's full
+Forward runs the module bound to the state (`zfunc.autograd.binding.BoundModel`): each unit's full
 parameters come from `zfunc.comm.unit_params`, whose backward delivers the unit's gradient to a
 *sink* leaf whose ``.grad`` is the state's gradient buffer (full at stages 0-1, this rank's
 reduce-scattered shard at stages 2-3). So any way of running backward gives the same gradients.
@@ -14,7 +14,7 @@ Every way of adding a micro-batch ends in `record_micro`: the micro-step count, 
 
 At stages 0-1 the step's last micro-batch (``micro_step == grad_accum - 1``) reduces the whole
 accumulated gradient during its backward, bucket by bucket (`boundary_fold`,
-`zfunc.buckets.Fold`), where the other micro-batches only accumulate locally; `accumulate`
+`zfunc.autograd.buckets.Fold`), where the other micro-batches only accumulate locally; `accumulate`
 leaves the reduce to `zfunc.apply_step`.
 """
 
@@ -25,12 +25,12 @@ from typing import Any
 
 import torch
 
-from zfunc import comm
+from zfunc.distributed import comm
 from zfunc._tree import tree
-from zfunc.binding import BoundModel, cotangent_factor
-from zfunc.buckets import Fold, reduce_group
-from zfunc.donation import check_live, donate_
-from zfunc.state import TrainState, accumulator, host_flag
+from zfunc.autograd.binding import BoundModel, cotangent_factor
+from zfunc.autograd.buckets import Fold, reduce_group
+from zfunc.core.donation import check_live, donate_
+from zfunc.core.state import TrainState, accumulator, host_flag
 
 __all__ = ["backward_step", "vjp", "accumulate", "record_micro", "check_room", "sinks_into", "point_sinks",
            "grad_views", "bind", "boundary_fold"]
@@ -65,7 +65,7 @@ def record_micro(state: TrainState, grads: torch.Tensor, *, loss: torch.Tensor |
     """The state after one more micro-batch: its gradients in ``grads``, its loss (or NaN when
     not known) added to ``loss_sum``, ``micro_step + 1``, and the buffers its forward left.
     With ``forward`` (the micro-batch ran the bound model, which gathers what a step left
-    ungathered, `zfunc.regather`) the state is ``gathered``.
+    ungathered, `zfunc.autograd.forward_gather`) the state is ``gathered``.
 
     With ``fold`` (the micro-batch's backward reduced the accumulator, `boundary_fold`) the
     state holds the reduced gradient (``reduced``): at stage 1 this rank's shard of ``grads``.
@@ -96,7 +96,7 @@ def record_micro(state: TrainState, grads: torch.Tensor, *, loss: torch.Tensor |
 
 
 def boundary_fold(state: TrainState) -> Fold | None:
-    """A `zfunc.buckets.Fold` for a micro-batch that ends the step, where its backward can reduce
+    """A `zfunc.autograd.buckets.Fold` for a micro-batch that ends the step, where its backward can reduce
     the accumulated gradient (stages 0-1 without `Config.shards_grads`, more than one rank to
     reduce over, the accumulator in the reduce dtype); else None (`zfunc.apply_step` reduces).
 

@@ -11,7 +11,7 @@ The one optimizer step of every stage, written so the algorithm reads plainly:
    compute-dtype copy; with ``Config.offload_optimizer`` the gradient shard goes to the host,
    the pass runs there on the host arena, and the new compute-dtype shard comes back;
 5. gather the updated compute parameters (stages 1-2; with ``Config.units`` the next forward
-   gathers them unit by unit, `zfunc.regather`);
+   gathers them unit by unit, `zfunc.autograd.forward_gather`);
 6. give every rank rank 0's buffers (BatchNorm statistics), as DDP's ``broadcast_buffers`` does.
 
 Nothing here reads a device value on the host, except under offload on a GPU (the host pass needs
@@ -25,11 +25,11 @@ import dataclasses
 import torch
 
 import zfunc_kernels
-from zfunc import comm
-from zfunc.donation import check_live, donate_
-from zfunc.layout import master_view
-from zfunc.scaler import scaler_update
-from zfunc.state import (GroupHyper, Metrics, TrainState, accumulator, accumulator_numel, host_flag, is_released,
+from zfunc.distributed import comm
+from zfunc.core.donation import check_live, donate_
+from zfunc.distributed.layout import master_view
+from zfunc.core.scaler import scaler_update
+from zfunc.core.state import (GroupHyper, Metrics, TrainState, accumulator, accumulator_numel, host_flag, is_released,
                          released_grads)
 
 __all__ = ["apply_step", "learning_rate", "learning_rates", "set_hyperparams"]
@@ -226,7 +226,7 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
     else:
         master = state.params if donate else _clone(state.params)
     opt = cfg.optimizer
-    slots = [getattr(state.opt, n) if donate else _clone(getattr(state.opt, n)) for n in opt.slots]
+    moments = [getattr(state.opt, n) if donate else _clone(getattr(state.opt, n)) for n in opt.moments]
     count = state.opt.count.clone()
     if aliased:
         compute_out = None
@@ -252,13 +252,13 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
         def part(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.narrow(0, start, n)
 
-        opt.fused(part(master), part(grad), [part(s) for s in slots], scalars,
+        opt.fused(part(master), part(grad), [part(m) for m in moments], scalars,
                   {name: values[g] for name, values in table.items()}, part(compute_out))
 
     if compute_out is not target and not bool(k_skip):  # the updated compute-dtype shard back to the
         target.copy_(compute_out, non_blocking=compute_out.is_pinned())  # device (a skipped pass wrote none)
     # Gather the updated compute parameters where forward reads them in full: with units, the
-    # next forward gathers them unit by unit as its modules run (zfunc.regather); else here.
+    # next forward gathers them unit by unit as its modules run (zfunc.autograd.forward_gather); else here.
     gathered = True
     if state.stage in (1, 2) and state.mesh.shard.size > 1:
         if state.binding.gather_plan is not None:
@@ -273,7 +273,7 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
                       grad_norm=grad_norm, loss_scale=state.scaler.scale,
                       skipped=skip, lr=lrs[lay.groups[0]])
     new = state.replace(params=master, compute=compute, grads=grads, buffers=_rank0_buffers(state),
-                        opt=opt.state_class(**dict(zip(opt.slots, slots)), count=count), scaler=scaler,
+                        opt=opt.state_class(**dict(zip(opt.moments, moments)), count=count), scaler=scaler,
                         step=state.step + 1,
                         micro_step=torch.zeros_like(state.micro_step), loss_sum=torch.zeros_like(state.loss_sum),
                         metrics=metrics, reduced=False, gathered=host_flag(gathered))

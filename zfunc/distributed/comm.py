@@ -20,9 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zfunc._vmap import VmapAsIs
+from zfunc.autograd._vmap import VmapAsIs
 from zfunc.errors import refuse_create_graph
-from zfunc.widen import widened
+from zfunc.autograd.widen import widened
 
 __all__ = ["Group", "world", "all_reduce", "reduce_scatter", "all_gather", "broadcast",
            "all_gather_object", "unit_params", "all_reduce_start", "reduce_", "reduce_scatter_",
@@ -68,7 +68,7 @@ class Group:
     ``pg=None`` with ``size == 1`` is a world of one (no process group needed);
     ``pg=None`` with ``size > 1`` means the default process group. ``p2p``: a second gloo
     process group over the same ranks that carries zfunc's point-to-point sums (`reduce_`,
-    `reduce_scatter`); `zfunc.mesh.make_mesh` gives the groups ZeRO reduces over one. Their
+    `reduce_scatter`); `zfunc.distributed.mesh.make_mesh` gives the groups ZeRO reduces over one. Their
     messages stay off ``pg``, so its collectives keep the same sequence on every rank, which
     ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` checks. Without it (None) they are the backend's own.
 

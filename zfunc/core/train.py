@@ -9,10 +9,10 @@ import torch
 from einops import rearrange
 
 from zfunc._tree import tree
-from zfunc.backward import backward_step
+from zfunc.core.backward import backward_step
 from zfunc.errors import ConfigError
-from zfunc.state import TrainState
-from zfunc.update import apply_step
+from zfunc.core.state import TrainState
+from zfunc.core.update import apply_step
 
 __all__ = ["train_step", "split_micro_batches"]
 
@@ -24,7 +24,7 @@ def split_micro_batches(batch: Any, n: int) -> list[Any]:
 
     Examples:
         >>> import torch
-        >>> from zfunc.train import split_micro_batches
+        >>> from zfunc.core.train import split_micro_batches
         >>> parts = split_micro_batches({"x": torch.arange(6).reshape(6, 1)}, 3)
         >>> [p["x"].flatten().tolist() for p in parts]
         [[0, 1], [2, 3], [4, 5]]

@@ -26,7 +26,7 @@ from zfunc._tree import dataclass
 from zfunc.errors import check, is_finite_number, is_positive_int
 
 if TYPE_CHECKING:
-    from zfunc.config import Config
+    from zfunc.core.config import Config
 
 __all__ = ["DynamicLossScale", "ScalerState", "scaler_init", "scaler_update"]
 
@@ -93,7 +93,7 @@ def scaler_init(cfg: Config, device: torch.device | str = "cpu") -> ScalerState:
 
     Examples:
         >>> import zfunc
-        >>> from zfunc.scaler import scaler_init
+        >>> from zfunc.core.scaler import scaler_init
         >>> s = scaler_init(zfunc.Config(precision="fp16", loss_scale=zfunc.DynamicLossScale(init=256.0)))
         >>> s.scale.item(), s.hysteresis.item()
         (256.0, 2)
@@ -117,7 +117,7 @@ def scaler_update(s: ScalerState, found_inf: torch.Tensor, cfg: Config, step: to
 
     Examples:
         >>> import torch, zfunc
-        >>> from zfunc.scaler import scaler_init, scaler_update
+        >>> from zfunc.core.scaler import scaler_init, scaler_update
         >>> cfg = zfunc.Config(precision="fp16", loss_scale=zfunc.DynamicLossScale(init=16.0, hysteresis=1))
         >>> s = scaler_init(cfg)
         >>> for t, overflow in enumerate([1, 1, 0]):

@@ -11,7 +11,7 @@ import torch
 
 import zfunc_kernels
 from zfunc.errors import ConfigError, check, is_finite_number, is_number
-from zfunc.state import AdagradState, AdamState, LionState, SGDState
+from zfunc.core.state import AdagradState, AdamState, LionState, SGDState
 
 __all__ = ["AdamConfig", "SGDConfig", "LionConfig", "AdagradConfig", "OPTIMIZERS", "adam", "adamw", "sgd", "lion",
            "adagrad", "ParamGroup", "assign_groups"]
@@ -20,7 +20,7 @@ __all__ = ["AdamConfig", "SGDConfig", "LionConfig", "AdagradConfig", "OPTIMIZERS
 class _Optimizer:
     """What every optimizer record shares: its per-group values and its fused pass.
 
-    A record names ``slots`` (its state per element), ``live`` (the per-group hyperparameters,
+    A record names ``moments`` (its state per element, stored in `Config.moment_dtype`), ``live`` (the per-group hyperparameters,
     `zfunc.GroupHyper`'s names), ``state_class``, ``hyper`` (the kernel's hyperparameter record)
     and ``kernel`` (the fused pass in `zfunc_kernels`).
     """
@@ -30,12 +30,12 @@ class _Optimizer:
         return {n: float(self.betas[int(n[-1]) - 1]) if n.startswith("beta") else float(getattr(self, n))
                 for n in self.live}
 
-    def fused(self, master: torch.Tensor, grad: torch.Tensor, slots: list[torch.Tensor],
+    def fused(self, master: torch.Tensor, grad: torch.Tensor, moments: list[torch.Tensor],
               scalars: zfunc_kernels.StepScalars, row: dict[str, float], compute: torch.Tensor | None) -> None:
         """One fused pass over a run of one parameter group (``row``: its hyperparameters; the
         record's own fields fill in what is not per group, e.g. ``nesterov``, ``decoupled``)."""
         hyper = self.hyper(**{f: row[f] if f in row else getattr(self, f) for f in self.hyper._fields})
-        self.kernel(master, grad, *slots, scalars, hyper, compute=compute)
+        self.kernel(master, grad, *moments, scalars, hyper, compute=compute)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +58,12 @@ class AdamConfig(_Optimizer):
     decoupled: bool = True
 
     name = "adam"
-    slots = ("mu", "nu")
+    moments = ("mu", "nu")
     live = ("lr", "weight_decay", "beta1", "beta2", "eps")
     state_class = AdamState
     hyper = zfunc_kernels.AdamHyper
     kernel = staticmethod(zfunc_kernels.fused_adam)
-    slot_init = 0.0
+    moment_init = 0.0
 
     def __post_init__(self) -> None:
         _check_common(self.lr, self.weight_decay)
@@ -92,7 +92,7 @@ class SGDConfig(_Optimizer):
 
     Examples:
         >>> import zfunc
-        >>> zfunc.SGDConfig(lr=0.1, momentum=0.9, nesterov=True).slots
+        >>> zfunc.SGDConfig(lr=0.1, momentum=0.9, nesterov=True).moments
         ('momentum_buffer',)
     """
 
@@ -103,12 +103,12 @@ class SGDConfig(_Optimizer):
     nesterov: bool = False
 
     name = "sgd"
-    slots = ("momentum_buffer",)
+    moments = ("momentum_buffer",)
     live = ("lr", "weight_decay", "momentum", "dampening")
     state_class = SGDState
     hyper = zfunc_kernels.SGDHyper
     kernel = staticmethod(zfunc_kernels.fused_sgd)
-    slot_init = 0.0
+    moment_init = 0.0
 
     def __post_init__(self) -> None:
         _check_common(self.lr, self.weight_decay)
@@ -135,12 +135,12 @@ class LionConfig(_Optimizer):
     weight_decay: float = 0.0
 
     name = "lion"
-    slots = ("mu",)
+    moments = ("mu",)
     live = ("lr", "weight_decay", "beta1", "beta2")
     state_class = LionState
     hyper = zfunc_kernels.LionHyper
     kernel = staticmethod(zfunc_kernels.fused_lion)
-    slot_init = 0.0
+    moment_init = 0.0
 
     def __post_init__(self) -> None:
         _check_common(self.lr, self.weight_decay)
@@ -164,7 +164,7 @@ class AdagradConfig(_Optimizer):
     initial_accumulator_value: float = 0.0
 
     name = "adagrad"
-    slots = ("sum",)
+    moments = ("sum",)
     live = ("lr", "weight_decay", "lr_decay", "eps")
     state_class = AdagradState
     hyper = zfunc_kernels.AdagradHyper
@@ -177,12 +177,12 @@ class AdagradConfig(_Optimizer):
             check(is_finite_number(v) and v >= 0, f"optimizer.{key}", "a finite number >= 0", v)
 
     @property
-    def slot_init(self) -> float:
+    def moment_init(self) -> float:
         return float(self.initial_accumulator_value)
 
 
 OPTIMIZERS = (AdamConfig, SGDConfig, LionConfig, AdagradConfig)
-"""The optimizer records: each names its state slots, its per-group hyperparameters (``live``),
+"""The optimizer records: each names its moments (state per element), its per-group hyperparameters (``live``),
 its state record, and its fused pass (``fused``); `zfunc.apply_step`, checkpoints and
 `zfunc.memory_plan` read these instead of naming Adam's moments."""
 
