@@ -23,6 +23,9 @@ Contenders (``--only`` picks a comma-separated subset):
   piece, instead of in the last micro-batch's backward: what the boundary reduce buys
 * ``offload1`` .. ``offload3``  the same with ``offload_optimizer="cpu"`` (on this CPU machine the
   host arena is a second copy in the same memory: the cost of the copies, not of a PCIe link)
+* ``cddp``, ``cfsdp2``, ``czero0`` .. ``czero3``  the same with each transformer block compiled on
+  its own, ``torch.compile(block, fullgraph=True)`` with inductor (torchtitan's default); zfunc's
+  units are then the compiled blocks, by name. Give ``--warmup`` enough steps for the compiles
 * ``ds1`` .. ``ds3``  DeepSpeed's engine, ZeRO stage 1..3 (torch AdamW inside, ``torch_adam``), when
   ``import deepspeed`` works; run this script with the DeepSpeed venv's python (recipe below)
 
@@ -97,7 +100,7 @@ WORLD = 2
 LR, WD, CLIP = 1e-3, 0.01, 1.0
 CONTENDERS = ["ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3", "noprefetch3", "atstep0", "atstep1", "gloored1",
               "gloored2", "gloored3", "atonce1", "atonce2", "lowgrad1", "lowgrad2", "lowgrad3", "engine2", "offload1",
-              "offload2", "offload3", "ds1", "ds2", "ds3"]
+              "offload2", "offload3", "ds1", "ds2", "ds3", "cddp", "cfsdp2", "czero0", "czero1", "czero2", "czero3"]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -120,9 +123,13 @@ def _batches(rank: int, n: int, accum: int = 1) -> list[list[dict[str, torch.Ten
     return [[batch] * accum] * n
 
 
-def _build_model() -> torch.nn.Module:
+def _build_model(compiled: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)  # the same initial weights on every rank and for every contender
-    return GPT(GPTConfig(**MODEL))
+    model = GPT(GPTConfig(**MODEL))
+    if compiled:  # torchtitan's default: each block compiled on its own (inductor), no graph break
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block, fullgraph=True)
+    return model
 
 
 def _nbytes_unique(tensors: list[torch.Tensor]) -> int:
@@ -168,9 +175,9 @@ def _adamw(params: list[torch.Tensor], kind: str) -> tuple[torch.optim.Optimizer
 # Each setup returns (step_fn, info) where step_fn(batch) -> (t_fwd_bwd_end,) runs one full step
 # and info() -> dict with "state_bytes", "loss" (last step's loss, averaged over ranks), "note".
 
-def _setup_ddp(precision: str, accum: int):
+def _setup_ddp(precision: str, accum: int, compiled: bool = False):
     from torch.nn.parallel import DistributedDataParallel as DDP
-    model = _build_model()
+    model = _build_model(compiled)
     ddp = DDP(model)
     params = [p for p in ddp.parameters() if p.requires_grad]
     opt, how = _adamw(params, "plain")
@@ -200,10 +207,10 @@ def _setup_ddp(precision: str, accum: int):
     return step, info
 
 
-def _setup_fsdp2(precision: str, accum: int):
+def _setup_fsdp2(precision: str, accum: int, compiled: bool = False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    model = _build_model()
+    model = _build_model(compiled)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if precision == "bf16" else MixedPrecisionPolicy())
@@ -235,13 +242,15 @@ def _setup_fsdp2(precision: str, accum: int):
 
 
 def _setup_zfunc(stage: int, precision: str, accum: int, offload: str | None = None, prefetch: int = 1,
-                 fold: bool = True, p2p: bool = True, low_grads: bool = False, units: bool = True):
+                 fold: bool = True, p2p: bool = True, low_grads: bool = False, units: bool = True,
+                 compiled: bool = False):
     import zfunc.core.backward
     from zfunc.models.gpt import Block
-    model = _build_model()
+    model = _build_model(compiled)
+    blocks = [f"blocks.{i}" for i in range(len(model.blocks))] if compiled else (Block,)  # the compiled wrappers
     cfg = zfunc.Config(stage=stage, precision=precision, clip=CLIP, grad_accum=accum, offload_optimizer=offload,
                        optimizer=zfunc.adamw(lr=LR, weight_decay=WD), prefetch=prefetch,
-                       units=(Block,) if stage >= 1 and units else None)
+                       units=blocks if stage >= 1 and units else None)
     if low_grads:  # DeepSpeed's bf16 defaults: gradients accumulated and reduced in the model's dtype
         cfg = dataclasses.replace(cfg, grad_accum_dtype=cfg.compute_dtype, comm_dtype=cfg.compute_dtype)
     box = {"state": zfunc.init(model, cfg, donate=True)}  # the module runs only through zfunc
@@ -364,6 +373,10 @@ def _setup_deepspeed(stage: int, precision: str, accum: int):
 
 
 def _setup(name: str, precision: str, accum: int):
+    if name in ("cddp", "cfsdp2"):
+        return (_setup_ddp if name == "cddp" else _setup_fsdp2)(precision, accum, compiled=True)
+    if name.startswith("czero"):
+        return _setup_zfunc(int(name[5:]), precision, accum, compiled=True)
     if name.startswith("ds"):
         return _setup_deepspeed(int(name[2:]), precision, accum)
     if name.startswith("engine"):
@@ -521,6 +534,8 @@ def _pairs(names: list[str]) -> list[tuple[str, str]]:
     out += [("zero1", "ddp"), ("zero2", "ddp"), ("zero3", "fsdp2"), ("zero0", "ddp"), ("zero3", "noprefetch3")]
     out += [(f"zero{k}", f"{ab}{k}") for ab in ("atstep", "gloored", "atonce") for k in (0, 1, 2, 3)]
     out += [(f"lowgrad{k}", f"ds{k}") for k in (1, 2, 3)]
+    out += [("cddp", "ddp"), ("cfsdp2", "fsdp2")] + [(f"czero{k}", f"zero{k}") for k in (0, 1, 2, 3)]
+    out += [("czero1", "cddp"), ("czero2", "cddp"), ("czero3", "cddp"), ("czero3", "cfsdp2")]
     return [(a, b) for a, b in out if a in names and b in names]
 
 
