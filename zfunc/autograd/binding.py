@@ -34,6 +34,7 @@ from zfunc.autograd import cotangent
 from zfunc._tree import tree
 from zfunc.autograd.buckets import Bucket, Fold, ShardPool, bucket_views, local_views, plan_buckets
 from zfunc.autograd.cotangent import scale_tree
+from zfunc.autograd.swap import Swapped, put_back, swap_in
 from zfunc.autograd.gather import UnitGatherer, check_same_units, graph_task
 from zfunc.autograd.gather import in_backward as _in_backward
 from zfunc.distributed.layout import Layout
@@ -46,6 +47,23 @@ __all__ = ["ModuleBinding", "BoundModel", "was_donated"]
 
 # The forward call running now (set by `BoundModel.__call__`).
 _CURRENT: contextvars.ContextVar[BoundModel | None] = contextvars.ContextVar("zfunc_call", default=None)
+# How many zfunc calls are running (any thread): a plain int that hooks compiled by dynamo read
+# without a graph break (`ContextVar.get` breaks the graph), before they ask `_CURRENT`.
+CALLS = 0
+
+
+def _enter(model: BoundModel) -> contextvars.Token:
+    global CALLS
+    CALLS += 1
+    return _CURRENT.set(model)
+
+
+def _leave(token: contextvars.Token) -> None:
+    global CALLS
+    CALLS -= 1
+    _CURRENT.reset(token)
+
+
 # Modules whose parameter storage `init(..., donate=True)` took (empty for good).
 _DONATED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 # The forward-hook dicts of a module that zfunc's hooks live in (for a copy of the module).
@@ -200,9 +218,8 @@ class ModuleBinding:
         if source is None:
             return False
         views = source.views(list(dict.fromkeys(n for n, _, _ in slots)))
-        self._rebound.setdefault(id(mod), []).append([(owner, attr, owner._parameters[attr]) for _, owner, attr in slots])
-        for n, owner, attr in slots:
-            owner._parameters[attr] = views[n]
+        self._rebound.setdefault(id(mod), []).append(
+            swap_in((owner._parameters, attr, views[n]) for n, owner, attr in slots))
         return True
 
     def _source(self) -> Any:
@@ -224,8 +241,7 @@ class ModuleBinding:
     def _rebind_out(self, mod: torch.nn.Module) -> None:
         stack = self._rebound.get(id(mod))
         if stack:
-            for owner, attr, original in stack.pop():
-                owner._parameters[attr] = original
+            put_back(stack.pop())
 
     def _install_unit_hooks(self, units: list[tuple[int, str, list[str]]]) -> None:
         """A pre-hook and a post-hook on each unit module ``(index, module name, parameter names)``.
@@ -298,6 +314,8 @@ class ModuleBinding:
         me = weakref.ref(self)
 
         def refuse(mod: torch.nn.Module, args: Any) -> None:
+            if CALLS:  # inside a zfunc call (read first: a compiled block's hook traces without a break)
+                return
             b = me()
             if b is not None:
                 b._refuse()
@@ -340,19 +358,16 @@ class ModuleBinding:
         tensors, args, kwargs, contexts = model.prepare(args, kwargs)
         # As functional_call does for the whole call (no public API can do it from hooks): the
         # module's entries become the state's tensors until `_route_out` puts them back.
-        restore = []
-        for owner, kind, attr, name in self._members:
-            if name in tensors:
-                entries = getattr(owner, kind)
-                restore.append((entries, attr, entries[attr], name))
-                entries[attr] = tensors[name]
+        members = [(getattr(owner, kind), attr, name) for owner, kind, attr, name in self._members if name in tensors]
+        restore = (swap_in((entries, attr, tensors[name]) for entries, attr, name in members),
+                   [name for _, _, name in members])
         stack = contextlib.ExitStack()
-        token = _CURRENT.set(model)
+        token = _enter(model)
         try:
             for c in contexts:
                 stack.enter_context(c)
         except BaseException:
-            _CURRENT.reset(token)
+            _leave(token)
             self._put_back(restore, tensors)
             raise
         self._frames[-1] = (model, tensors, restore, token, stack)
@@ -364,15 +379,16 @@ class ModuleBinding:
             return None
         model, tensors, restore, token, stack = frame
         stack.close()
-        _CURRENT.reset(token)
+        _leave(token)
         self._put_back(restore, tensors)
         return model.finish(out, tensors)
 
     @staticmethod
-    def _put_back(restore: list, tensors: dict[str, torch.Tensor]) -> None:
-        for entries, attr, original, name in reversed(restore):
+    def _put_back(restore: tuple[Swapped, list[str]], tensors: dict[str, torch.Tensor]) -> None:
+        swapped, names = restore
+        for (entries, attr, _), name in zip(swapped, names):
             tensors[name] = entries[attr]  # a buffer the module reassigned is its new value
-            entries[attr] = original
+        put_back(swapped)
 
     def plain_module(self, memo: dict[int, Any] | None = None) -> torch.nn.Module:
         """A deep copy of the module without zfunc's hooks (``memo``: `copy.deepcopy`'s).
@@ -436,7 +452,7 @@ class BoundModel:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         tensors, args, kwargs, contexts = self.prepare(args, kwargs)
-        token = _CURRENT.set(self)
+        token = _enter(self)
         try:
             with contextlib.ExitStack() as stack:
                 for c in contexts:
@@ -454,7 +470,7 @@ class BoundModel:
                     self.pending.wait_all()
             raise
         finally:
-            _CURRENT.reset(token)
+            _leave(token)
         return self.finish(out, tensors)
 
     def prepare(self, args: tuple, kwargs: dict) -> tuple[dict[str, torch.Tensor], tuple, dict, list[Any]]:

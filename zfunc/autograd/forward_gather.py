@@ -33,6 +33,7 @@ import torch
 
 from zfunc.distributed import comm
 from zfunc.autograd.gather import in_backward
+from zfunc.autograd.swap import Swapped, put_back, swap_in
 from zfunc.distributed.layout import Layout
 
 __all__ = ["GatherPlan", "Gathering", "plan_gathers", "start_gathers", "settle", "UnitViews", "Unbound"]
@@ -217,15 +218,13 @@ class UnitViews:
 
     def __init__(self, views: dict[str, torch.Tensor], gathering: Gathering | None):
         self.views, self.gathering = views, gathering
-        self.swapped: dict[int, list[tuple[torch.nn.Module, str, Any]]] = {}
+        self.swapped: dict[int, Swapped] = {}
 
     def enter(self, i: int, slots: list[tuple[str, torch.nn.Module, str]]) -> None:
         """Unit ``i``'s module starts: wait for its gather, bind its parameters."""
         if self.gathering is not None:
             self.gathering.wait(i)
-        self.swapped[i] = [(owner, attr, owner._parameters[attr]) for _, owner, attr in slots]
-        for name, owner, attr in slots:
-            owner._parameters[attr] = self.views[name]
+        self.swapped[i] = swap_in((owner._parameters, attr, self.views[name]) for name, owner, attr in slots)
 
     def leave(self, i: int) -> None:
         """Unit ``i``'s module is done. Inside zfunc's forward call its parameters stay bound (the
@@ -233,8 +232,7 @@ class UnitViews:
         forward that autograd recomputes during backward the placeholders come back now."""
         swapped = self.swapped.pop(i, [])
         if in_backward():
-            for owner, attr, original in swapped:
-                owner._parameters[attr] = original
+            put_back(swapped)
 
     def drop_ahead(self) -> None:
         """Nothing is gathered ahead here (the stage-3 gatherer's interface)."""

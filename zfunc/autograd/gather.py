@@ -34,6 +34,7 @@ import torch
 from zfunc.distributed import comm
 from zfunc.autograd._vmap import VmapAsIs
 from zfunc.autograd.buckets import Collect
+from zfunc.autograd.swap import Swapped, put_back, swap_in
 from zfunc.errors import refuse_create_graph
 
 __all__ = ["UnitGatherer", "track_gathered", "check_same_units", "in_backward", "in_transform", "graph_task"]
@@ -184,7 +185,7 @@ class UnitGatherer:
         self.state, self.sinks = state, sinks
         self.live: dict[int, int] = {}  # storage address -> unit index, during the unit's forward
         self.regathered: dict[int, torch.Tensor] = {}
-        self.swapped: dict[int, list[tuple[torch.nn.Module, str, Any]]] = {}  # unit -> what to restore
+        self.swapped: dict[int, Swapped] = {}  # unit -> what to restore
         self.order: list[int] = []  # the units this call ran, in order
         self.entry: dict[int, int] = {}  # unit -> its place in `order`, while its module runs
         self.saved: set[int] = set()  # places in `order` whose saved tensors backward regathers
@@ -302,19 +303,16 @@ class UnitGatherer:
         if not in_transform():  # what the saved-tensor hooks look saved tensors up in
             self.live[full.untyped_storage().data_ptr()] = i
         views = self.state.layout.views(self.state.layout.units[i], full)
-        # No public torch API puts a plain tensor in a parameter's place inside one forward
-        # (functional_call does it for the whole call, through the same dict): these entries
-        # are restored by `leave`, and by the enclosing functional_call if forward raises.
-        self.swapped[i] = [(owner, attr, owner._parameters[attr]) for _, owner, attr in slots]
-        for name, owner, attr in slots:
-            owner._parameters[attr] = views[name]
+        # Restored by `leave`, and by the enclosing functional_call if forward raises.
+        self.swapped[i] = swap_in((owner._parameters, attr, views[name]) for name, owner, attr in slots)
 
     def leave(self, i: int) -> None:
         """Unit ``i``'s module is done: release the gathered buffer (autograd keeps recipes)."""
-        for owner, attr, original in self.swapped.pop(i, []):
-            if not in_transform():
-                self.live.pop(owner._parameters[attr].untyped_storage().data_ptr(), None)
-            owner._parameters[attr] = original
+        swapped = self.swapped.pop(i, [])
+        if not in_transform():
+            for entries, attr, _ in swapped:
+                self.live.pop(entries[attr].untyped_storage().data_ptr(), None)
+        put_back(swapped)
 
     def saved_tensor_hooks(self) -> Any:
         """Saved tensors that view a gathered unit are stored as recipes and regathered. Inside a

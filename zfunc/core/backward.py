@@ -33,7 +33,7 @@ from zfunc.core.donation import check_live, donate_
 from zfunc.core.state import TrainState, accumulator, host_flag
 
 __all__ = ["backward_step", "vjp", "accumulate", "record_micro", "check_room", "sinks_into", "point_sinks",
-           "grad_views", "bind", "boundary_fold"]
+           "grad_views", "bind", "boundary_fold", "check_sinks"]
 
 
 def check_room(state: TrainState, what: str) -> None:
@@ -140,6 +140,33 @@ def point_sinks(sinks: list[torch.Tensor], state: TrainState, grads: torch.Tenso
         sink.grad = part
 
 
+def check_sinks(sinks: list[torch.Tensor], state: TrainState, grads: torch.Tensor) -> None:
+    """After a backward: every sink's ``.grad`` is still its part of ``grads``. The gradient path
+    relies on autograd adding into a leaf's existing ``.grad`` in place; had anything replaced
+    it, that micro-batch's gradient would be lost silently, so this raises instead.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> state = zfunc.init(torch.nn.Linear(2, 1), zfunc.Config())
+        >>> grads = torch.zeros(state.layout.full_numel)
+        >>> sinks = sinks_into(state, grads)
+        >>> check_sinks(sinks, state, grads)
+        >>> sinks[0].grad = torch.zeros_like(grads)
+        >>> try:
+        ...     check_sinks(sinks, state, grads)
+        ... except RuntimeError as e:
+        ...     print(str(e)[:58])
+        zfunc: a unit's gradient went into a new tensor instead of
+    """
+    for k, (sink, part) in enumerate(zip(sinks, grad_views(state, grads))):
+        g = sink.grad
+        if g is None or g.data_ptr() != part.data_ptr() or g.shape != part.shape:
+            raise RuntimeError(
+                f"zfunc: a unit's gradient went into a new tensor instead of the state's accumulator (unit {k}); "
+                "the micro-batch's gradient would be lost. Something replaced the sink's .grad during backward "
+                "(a hook on it, or backward(create_graph=True) outside zfunc's check); run plain backward")
+
+
 def sinks_into(state: TrainState, grads: torch.Tensor) -> list[torch.Tensor]:
     """One zero-memory leaf per unit whose ``.grad`` is that unit's part of ``grads``.
 
@@ -193,7 +220,8 @@ def backward_step(state: TrainState, loss_fn: Callable[..., Any], batch: Any, *,
     check_room(state, "backward_step")
     fold = _ends_step(state)
     grads = accumulator(state.grads, donate)
-    model = bind(state, sinks_into(state, grads), donate=donate, fold=fold)
+    sinks = sinks_into(state, grads)
+    model = bind(state, sinks, donate=donate, fold=fold)
     out = loss_fn(model, batch)
     loss, aux = out if has_aux else (out, None)
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
@@ -201,6 +229,7 @@ def backward_step(state: TrainState, loss_fn: Callable[..., Any], batch: Any, *,
                         f"got {type(loss).__name__}" + (f" of shape {list(loss.shape)}"
                                                         if isinstance(loss, torch.Tensor) else ""))
     loss.backward()  # into `grads` through the sinks (plain backward: reentrant checkpointing works)
+    check_sinks(sinks, state, grads)
     loss = loss.detach().reshape(())
     new = record_micro(state, grads, loss=loss, buffers=model.buffers, fold=fold, forward=True)
     if donate:
@@ -287,6 +316,7 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
         calls["n"] += 1
         calls["retained"] = retain_graph
         torch.autograd.backward(outs, cots, retain_graph=retain_graph)
+        check_sinks(sinks, state, grads)
         new = record_micro(state, grads, loss=loss, buffers=model.buffers, fold=fold, forward=True)
         if donate:
             donate_(state, "vjp")
