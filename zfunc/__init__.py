@@ -19,6 +19,7 @@ import sys
 
 from zfunc._tree import tree as tree
 from zfunc.autograd.forward_gather import settle as settle
+from zfunc.compat import zero as zero
 from zfunc.compat.engine import Engine as Engine
 from zfunc.compat.engine import add_config_arguments as add_config_arguments
 from zfunc.compat.engine import init_distributed as init_distributed
@@ -68,6 +69,7 @@ from zfunc.tools.memory import memory_report as memory_report
 # The public submodules keep their short import paths (``from zfunc.comm import all_reduce``).
 sys.modules[__name__ + ".comm"] = comm
 sys.modules[__name__ + ".schedules"] = schedules
+sys.modules[__name__ + ".zero"] = zero
 
 __version__ = "0.1.0"
 
@@ -119,4 +121,5 @@ __all__ = [
     "train_step",
     "tree",
     "vjp",
+    "zero",
 ]

@@ -115,9 +115,22 @@ class Engine:
         if st.stage < 3:
             current.update(st.frozen)
             current.update(st.layout.views(st.layout.units[0], st.compute))
+        replaced: dict[int, torch.Tensor] = {}  # meta-built (`zfunc.zero.Init`): new tensors, ties kept
         for name, t in [*self.module.named_parameters(), *self.module.named_buffers()]:
-            if name in current:
+            if name not in current:
+                continue
+            if t.is_meta:  # a meta tensor cannot take another device's data: put a new one in its places
+                value = current[name]
+                replaced[id(t)] = torch.nn.Parameter(value, requires_grad=t.requires_grad) \
+                    if isinstance(t, torch.nn.Parameter) else value
+            else:
                 t.data = current[name]
+        if replaced:
+            for mod in self.module.modules():
+                for entries in (mod._parameters, mod._buffers):
+                    for key, t in entries.items():
+                        if t is not None and id(t) in replaced:
+                            entries[key] = replaced[id(t)]
 
     # -- forward and backward ----------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:

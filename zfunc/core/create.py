@@ -8,12 +8,14 @@ module to the layout (`zfunc.autograd.binding.ModuleBinding`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
 from zfunc.distributed import comm
 from zfunc.autograd.binding import ModuleBinding, was_donated
 from zfunc.core.config import Config
+from zfunc.core.materialize import materialize, on_meta
 from zfunc.core.donation import check_live
 from zfunc.errors import ConfigError
 from zfunc.distributed.layout import Layout, make_layout, master_view
@@ -161,6 +163,14 @@ def mesh_of(cfg: Config, group: comm.Group) -> Mesh:
     return make_mesh(group, cfg.shard_size)
 
 
+def _default_device(group: comm.Group) -> torch.device:
+    """Where a meta-built model's state goes: the current CUDA device under NCCL, else the CPU."""
+    initialised = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if initialised and torch.distributed.get_backend(group.pg) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def place_master(master: torch.Tensor, cfg: Config, layout: Layout, mesh: Mesh) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's master weights (its arena, or everything at stage 0, on the compute device)
     as the state's ``(params, compute)``.
@@ -186,7 +196,8 @@ def place_master(master: torch.Tensor, cfg: Config, layout: Layout, mesh: Mesh) 
 
 
 def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *,
-         donate: bool = False) -> TrainState:
+         donate: bool = False, init_fn: Callable[[torch.nn.Module], None] | None = None,
+         device: torch.device | str | None = None) -> TrainState:
     """The initial `TrainState` of ``model`` trained as ``cfg`` says, on ``group``.
 
     Rank 0's parameter and buffer values are broadcast to every rank (as DDP and DeepSpeed do).
@@ -205,6 +216,14 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
             (at stage 3 the point of sharding; otherwise the model's copy is dropped too), and
             calling the module outside zfunc raises. Use it when the module will only ever
             run through zfunc; the engine (`zfunc.initialize`) donates at stage 3.
+        init_fn: for a model built on the ``meta`` device (``with torch.device("meta"):`` or
+            `zfunc.zero.Init`): a function setting one module's own parameters, run on every
+            module after their ``reset_parameters`` as ``model.apply(init_fn)`` would
+            (`zfunc.core.materialize`). A meta-built model is materialized one unit at a time,
+            each rank keeping its shard, with the values an eager CPU build with the same seed
+            has; its module keeps no trainable values (as with ``donate``).
+        device: where a meta-built model's state lives (default: the current CUDA device under
+            NCCL, else the CPU). A model with real parameters stays on their device.
 
     Returns:
         The state, with zero gradients and moments and ``step == 0``.
@@ -231,7 +250,17 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
     trainable = trainable_params(model, cfg)
     if not trainable:
         raise ConfigError("model: has no parameter with requires_grad=True (outside Config.freeze); nothing to train")
-    device = next(iter(trainable.values())).device
+    lazy = on_meta(model)
+    if init_fn is not None and not lazy:
+        raise ConfigError("init_fn: the model's parameters are already initialised (not on the meta device); "
+                          "initialise the model yourself, or build it under torch.device('meta')")
+    if lazy:
+        device = torch.device(device if device is not None else _default_device(group))
+    elif device is not None:
+        raise ConfigError(f"device: {device!r} is for a model built on the meta device; move a built model "
+                          "with model.to(device) before init")
+    else:
+        device = next(iter(trainable.values())).device
     mesh = mesh_of(cfg, group)
     units, unit_names = units_of(model, cfg, trainable)
     layout = make_layout(units, world=mesh.shard.size, rank=mesh.shard.rank, align=cfg.align, names=unit_names)
@@ -241,17 +270,26 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
         low = t.dtype in (torch.float32, torch.bfloat16, torch.float16)
         return comm.broadcast(t.detach(), 0, group).to(cdt if low else t.dtype)
 
-    frozen = {n: replicated(p) for n, p in named.items() if n not in trainable}
-    buffers = {n: replicated(b) for n, b in model.named_buffers()}
+    pieces: dict[int, torch.Tensor] = {}  # unit -> what this rank keeps of its master values
 
-    full_master = [comm.broadcast(layout.flatten_unit(u, trainable, mdt, device), 0, group)
-                   for u in layout.units]
-    if cfg.stage == 0:
-        master = torch.cat(full_master)
+    def keep(i: int, values: dict[str, torch.Tensor]) -> None:  # one unit's values: rank 0's, sharded
+        u = layout.units[i]
+        flat = comm.broadcast(layout.flatten_unit(u, values, mdt, device), 0, group)
+        pieces[i] = flat if cfg.stage == 0 else flat.narrow(0, *layout.owned_start_len(u)).clone()
+
+    if lazy:
+        rest = materialize(model, [[s.name for s in u.slots] for u in layout.units], init_fn, keep)
+        named = {n: rest[n].to(device) for n in named if n not in trainable}  # frozen
+        buffers_of = {n: rest[n].to(device) for n, _ in model.named_buffers()}
+        donate = True  # the module holds meta tensors: it runs through zfunc only
     else:
-        master = torch.cat([flat.narrow(0, *layout.owned_start_len(u)) for u, flat in
-                            zip(layout.units, full_master)])
-    del full_master
+        for i, u in enumerate(layout.units):
+            keep(i, trainable)
+        buffers_of = dict(model.named_buffers())
+    frozen = {n: replicated(p) for n, p in named.items() if n not in trainable}
+    buffers = {n: replicated(b) for n, b in buffers_of.items()}
+    master = torch.cat([pieces[i] for i in range(len(layout.units))])
+    del pieces
     params, compute = place_master(master, cfg, layout, mesh)
     opt = cfg.optimizer
     moments = {name: torch.full((params.numel(),), opt.moment_init, dtype=cfg.moment_dtype, device=params.device,
