@@ -8,7 +8,9 @@ module to the layout (`zfunc.autograd.binding.ModuleBinding`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import os
+import warnings
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -16,6 +18,7 @@ from zfunc.distributed import comm
 from zfunc.autograd.binding import ModuleBinding, was_donated
 from zfunc.core.config import Config
 from zfunc.core.materialize import materialize, on_meta
+from zfunc.io.weights import Weights, open_weights
 from zfunc.core.donation import check_live
 from zfunc.errors import ConfigError
 from zfunc.distributed.layout import Layout, make_layout, master_view
@@ -163,6 +166,41 @@ def mesh_of(cfg: Config, group: comm.Group) -> Mesh:
     return make_mesh(group, cfg.shard_size)
 
 
+def read_weights(files: Weights, layout: Layout, stage: int, pieces: dict[int, torch.Tensor],
+                 replicated: dict[str, torch.Tensor]) -> None:
+    """Overwrite what this rank keeps (``pieces[i]``: unit ``i``'s owned range, the whole unit at
+    stage 0; ``replicated``: frozen parameters and buffers) with the values ``files`` hold,
+    reading only those elements. Warns once, naming what the files do not hold."""
+    missing = []
+    for i, unit in enumerate(layout.units):
+        lo, n = (0, unit.padded) if stage == 0 else layout.owned_start_len(unit)
+        for s in unit.slots:
+            if s.name not in files:
+                missing.append(s.name)
+                continue
+            _check_shape(files, s.name, s.shape)
+            a, b = max(lo, s.offset), min(lo + n, s.offset + s.numel)  # the part of the slot kept here
+            if a < b:
+                pieces[i].narrow(0, a - lo, b - a).copy_(files.read_range(s.name, a - s.offset, b - s.offset))
+    for name, t in replicated.items():
+        if name not in files:
+            missing.append(name)
+            continue
+        _check_shape(files, name, tuple(t.shape))
+        t.copy_(files.read(name))
+    if missing:
+        warnings.warn(f"weights: {len(missing)} parameters and buffers of the model are not in the files and keep "
+                      f"their initial values: {missing[:10]}{' ...' if len(missing) > 10 else ''}", stacklevel=3)
+
+
+def _check_shape(files: Weights, name: str, shape: tuple[int, ...]) -> None:
+    got = files.shape(name)
+    if tuple(got) != tuple(shape):
+        where = "" if files.key(name) == name else f" (as {files.key(name)!r} in the files)"
+        raise ConfigError(f"weights: {name!r}{where} has shape {list(got)} in the files, the model's is {list(shape)}; "
+                          "load weights of this model (or map the name elsewhere with weights_map)")
+
+
 def _default_device(group: comm.Group) -> torch.device:
     """Where a meta-built model's state goes: the current CUDA device under NCCL, else the CPU."""
     initialised = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -197,7 +235,8 @@ def place_master(master: torch.Tensor, cfg: Config, layout: Layout, mesh: Mesh) 
 
 def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *,
          donate: bool = False, init_fn: Callable[[torch.nn.Module], None] | None = None,
-         device: torch.device | str | None = None) -> TrainState:
+         device: torch.device | str | None = None, weights: str | os.PathLike | None = None,
+         weights_map: Mapping[str, str] | Callable[[str], str] | None = None) -> TrainState:
     """The initial `TrainState` of ``model`` trained as ``cfg`` says, on ``group``.
 
     Rank 0's parameter and buffer values are broadcast to every rank (as DDP and DeepSpeed do).
@@ -224,6 +263,12 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
             has; its module keeps no trainable values (as with ``donate``).
         device: where a meta-built model's state lives (default: the current CUDA device under
             NCCL, else the CPU). A model with real parameters stays on their device.
+        weights: pretrained values (`zfunc.io.weights.open_weights`: safetensors, a Hugging Face
+            shard index, a torch state dict), read straight into this rank's shards: each rank
+            reads only the elements it keeps. Parameters and buffers the files do not hold keep
+            the model's own (or meta-initialised) values and are listed in a warning; a shape
+            that differs is an error naming the parameter.
+        weights_map: the files' name of each model name that differs (a dict or a function).
 
     Returns:
         The state, with zero gradients and moments and ``step == 0``.
@@ -288,6 +333,8 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
         buffers_of = dict(model.named_buffers())
     frozen = {n: replicated(p) for n, p in named.items() if n not in trainable}
     buffers = {n: replicated(b) for n, b in buffers_of.items()}
+    if weights is not None:
+        read_weights(open_weights(weights, weights_map), layout, cfg.stage, pieces, {**frozen, **buffers})
     master = torch.cat([pieces[i] for i in range(len(layout.units))])
     del pieces
     params, compute = place_master(master, cfg, layout, mesh)

@@ -1,0 +1,214 @@
+"""Consolidated weights from a checkpoint, streamed: ``python -m zfunc.convert CHECKPOINT OUT``.
+
+DeepSpeed's ``zero_to_fp32.py`` for zfunc checkpoints: the full parameters (the fp32 master
+weights, or ``--dtype bf16``/``fp16``), frozen parameters and buffers, as one safetensors file or
+as shards with a Hugging Face index (``--max-shard-size``). Parameters are read and written one
+at a time: safetensors' header is written first from the shapes the checkpoint records, then
+each tensor's bytes, so the peak memory is one parameter, not the model.
+
+    python -m zfunc.convert runs/ckpt model.safetensors
+    python -m zfunc.convert runs/ckpt out_dir --dtype bf16 --max-shard-size 2GB
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import struct
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from zfunc.errors import CheckpointError
+from zfunc.io.checkpoint import _quiet, locate, read_meta
+
+__all__ = ["Entry", "checkpoint_entries", "write_safetensors", "convert", "main"]
+
+_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+          torch.bool: "BOOL"}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+Entry = tuple[str, tuple[int, ...], torch.dtype]  # a tensor to write: name, shape, dtype
+
+
+def write_safetensors(path: str | os.PathLike, entries: Sequence[Entry], read: Callable[[str], torch.Tensor],
+                      metadata: dict[str, str] | None = None, done: Callable[[int], None] | None = None) -> str:
+    """Write ``entries`` to the safetensors file ``path``, calling ``read(name)`` for one tensor
+    at a time (its bytes go to the file before the next is read). ``done(nbytes)`` after each.
+
+    Examples:
+        >>> import tempfile, torch
+        >>> from safetensors.torch import load_file
+        >>> f = tempfile.mkdtemp() + "/w.safetensors"
+        >>> values = {"a": torch.arange(3.0), "b": torch.ones(2, 2, dtype=torch.bfloat16)}
+        >>> _ = write_safetensors(f, [(n, tuple(t.shape), t.dtype) for n, t in values.items()], values.get)
+        >>> {n: t.tolist() for n, t in load_file(f).items()} == {n: t.tolist() for n, t in values.items()}
+        True
+    """
+    header: dict[str, Any] = {"__metadata__": dict(metadata or {})}
+    at = 0
+    for name, shape, dtype in entries:
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _CODES[dtype], "shape": list(shape), "data_offsets": [at, at + n]}
+        at += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for name, shape, dtype in entries:
+            t = read(name).detach().to("cpu", dtype).contiguous()
+            if tuple(t.shape) != tuple(shape):
+                raise CheckpointError(f"{name}: read shape {list(t.shape)}, the header says {list(shape)}")
+            data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            f.write(data)
+            if done is not None:
+                done(len(data))
+        f.flush()
+        os.fsync(f.fileno())
+    return os.fspath(path)
+
+
+def checkpoint_entries(path: str | os.PathLike) -> tuple[list[Entry], Callable[[str], torch.Tensor]]:
+    """The tensors of a zfunc checkpoint (trainable parameters' master weights, in the recorded
+    order, then frozen parameters and buffers) and a function reading one of them in full."""
+    where = locate(path)
+    meta = read_meta(where)
+    stored = dcp.FileSystemReader(where).read_metadata().state_dict_metadata
+    master = getattr(torch, meta["master_dtype"].split(".")[1])
+    pieces: dict[str, list[tuple[int, str]]] = {}
+    for key in stored:
+        if key.startswith("p/") and key.rsplit("/", 2)[1] == "master":
+            name = key[2:].rsplit("/", 2)[0]
+            pieces.setdefault(name, []).append((int(key.rsplit("/", 1)[1]), key))
+    entries: list[Entry] = [(n, tuple(s), master) for n, s in meta["params"].items()]
+    entries += [(n, tuple(s), stored[f"f/{n}"].properties.dtype) for n, s in meta["replicated"].items()]
+    shapes = {n: s for n, s, _ in entries}
+
+    def read(name: str) -> torch.Tensor:
+        if name in meta["params"]:
+            want = {k: torch.empty(stored[k].size, dtype=master) for _, k in pieces.get(name, [])}
+        else:
+            want = {f"f/{name}": torch.empty(stored[f"f/{name}"].size, dtype=stored[f"f/{name}"].properties.dtype)}
+        with _quiet():
+            dcp.load(want, checkpoint_id=where, no_dist=True)
+        if name not in meta["params"]:
+            return want[f"f/{name}"]
+        flat = torch.empty(math.prod(shapes[name]), dtype=master)
+        covered = 0
+        for start, key in pieces[name]:
+            flat.narrow(0, start, want[key].numel()).copy_(want[key].reshape(-1))
+            covered += want[key].numel()
+        if covered != flat.numel():
+            raise CheckpointError(f"{where}: the pieces of {name!r} cover {covered} of its {flat.numel()} elements")
+        return flat.view(shapes[name])
+
+    return entries, read
+
+
+def _size(text: str) -> int:
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    t = text.strip().upper()
+    for u in sorted(units, key=len, reverse=True):
+        if t.endswith(u) and t[:-len(u)].strip().replace(".", "", 1).isdigit():
+            return int(float(t[:-len(u)]) * units[u])
+    if t.isdigit():
+        return int(t)
+    raise ValueError(f"--max-shard-size: {text!r} is not a size (e.g. 2GB, 500MB, 1073741824)")
+
+
+def _shards(entries: list[Entry], limit: int | None) -> list[list[Entry]]:
+    if limit is None:
+        return [entries]
+    out: list[list[Entry]] = [[]]
+    used = 0
+    for e in entries:
+        n = math.prod(e[1]) * torch.empty((), dtype=e[2]).element_size()
+        if out[-1] and used + n > limit:
+            out.append([])
+            used = 0
+        out[-1].append(e)
+        used += n
+    return out
+
+
+def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, *, dtype: torch.dtype | None = None,
+            max_shard_size: int | None = None, progress: bool | None = None) -> list[str]:
+    """Write the checkpoint's full weights as safetensors (see the module docstring); returns the
+    files written. ``out`` is a ``.safetensors`` file (one file), or a directory: its
+    ``model.safetensors``, or with ``max_shard_size`` (bytes) its ``model-0000k-of-0000n``
+    shards and ``model.safetensors.index.json``. ``dtype`` casts the floating tensors.
+
+    Examples:
+        >>> import tempfile, torch, zfunc
+        >>> from safetensors.torch import load_file
+        >>> state = zfunc.init(torch.nn.Linear(3, 2), zfunc.Config(stage=2))
+        >>> ckpt = zfunc.save(state, tempfile.mkdtemp() + "/ckpt")
+        >>> files = convert(ckpt, tempfile.mkdtemp() + "/model.safetensors", dtype=torch.bfloat16, progress=False)
+        >>> {n: t.dtype for n, t in load_file(files[0]).items()}
+        {'weight': torch.bfloat16, 'bias': torch.bfloat16}
+    """
+    entries, read = checkpoint_entries(checkpoint)
+    if dtype is not None:
+        entries = [(n, s, dtype if d.is_floating_point else d) for n, s, d in entries]
+    out = os.fspath(out)
+    single = out.endswith(".safetensors")
+    if single and max_shard_size is not None:
+        raise ValueError("--max-shard-size writes several files: give a directory as OUT, not a .safetensors file")
+    if not single:
+        os.makedirs(out, exist_ok=True)
+    groups = _shards(entries, max_shard_size)
+    total = sum(math.prod(s) * torch.empty((), dtype=d).element_size() for _, s, d in entries)
+    bar = _bar(total, progress)
+    files, index = [], {}
+    for k, group in enumerate(groups):
+        if single:
+            f = out
+        elif max_shard_size is None:
+            f = os.path.join(out, "model.safetensors")
+        else:
+            f = os.path.join(out, f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors")
+        files.append(write_safetensors(f, group, read, {"format": "pt"}, bar.update if bar else None))
+        index.update({n: os.path.basename(f) for n, _, _ in group})
+    if max_shard_size is not None:
+        with open(os.path.join(out, "model.safetensors.index.json"), "w") as fh:
+            json.dump({"metadata": {"total_size": total}, "weight_map": index}, fh, indent=1)
+    if bar:
+        bar.close()
+    return files
+
+
+def _bar(total: int, progress: bool | None) -> Any:
+    """A byte progress bar on a terminal (tqdm, when installed), else None."""
+    if progress is None:
+        progress = sys.stderr.isatty()
+    if not progress:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="B", unit_scale=True, desc="convert", file=sys.stderr)
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m zfunc.convert", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="a zfunc checkpoint directory (zfunc.save)")
+    parser.add_argument("out", help="a .safetensors file, or a directory")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), help="cast floating tensors (default: as stored)")
+    parser.add_argument("--max-shard-size", help="write shards of at most this size and an index (e.g. 2GB)")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    try:
+        limit = _size(args.max_shard_size) if args.max_shard_size else None
+        files = convert(args.checkpoint, args.out, dtype=_DTYPES.get(args.dtype), max_shard_size=limit)
+    except (CheckpointError, ValueError) as e:
+        print(f"zfunc.convert: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(files))
+    return 0
