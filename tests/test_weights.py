@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -129,3 +130,15 @@ def test_weights_map_missing_names_and_shape_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(zfunc.ConfigError, match="holds none of"):
         zfunc.init(Normed(), zfunc.Config(), weights=str(tmp_path / "empty"))
+
+
+def test_a_truncated_or_missing_shard_is_an_error_naming_the_file(tmp_path):
+    where = _write(str(tmp_path), "sharded", _trained_values(0))
+    with open(tmp_path / "a.safetensors", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(zfunc.ConfigError, match=r"a.safetensors' is unreadable .* damaged or truncated"):
+        zfunc.init(Normed(), zfunc.Config(stage=2), weights=where)
+    os.remove(tmp_path / "a.safetensors")
+    with pytest.raises(zfunc.ConfigError, match=r"a.safetensors', a shard model.safetensors.index.json names, does "
+                                                r"not exist"):
+        zfunc.init(Normed(), zfunc.Config(stage=2), weights=where)

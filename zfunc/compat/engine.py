@@ -24,7 +24,8 @@ import torch
 from zfunc.distributed import comm
 from zfunc.core.backward import bind, boundary_fold, point_sinks, record_micro, sinks_into
 from zfunc.autograd.buckets import Fold
-from zfunc.io.checkpoint import load, read_extra, save
+from zfunc.io.checkpoint import exists, load, read_extra, save
+from zfunc.io.deepspeed_checkpoint import is_deepspeed_checkpoint, read_deepspeed
 from zfunc.core.config import Config
 from zfunc.core.create import full_params, init
 from zfunc.compat.deepspeed_config import BatchSizes, translate
@@ -326,7 +327,9 @@ class Engine:
                         load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str | None, Any]:
         """Load ``load_dir/tag`` (default: the tag in ``load_dir/latest``) into the engine.
 
-        Returns ``(path, client_state)``, or ``(None, None)`` when there is no ``latest``.
+        Returns ``(path, client_state)``, or ``(None, None)`` when there is no ``latest``. A
+        DeepSpeed ZeRO checkpoint directory loads as well (its master weights, Adam moments, step
+        counts and client state; `zfunc.io.deepspeed_checkpoint`).
         The world size and ZeRO stage may differ from the saving run's. DeepSpeed's keywords
         keep their meaning: ``load_module_only=True`` loads the weights (master, compute copy,
         frozen parameters, buffers) and nothing else; ``load_optimizer_states=False`` keeps the
@@ -346,7 +349,13 @@ class Engine:
             with open(latest) as f:
                 tag = f.read().strip()
         path = os.path.join(os.fspath(load_dir), _check_tag(tag))
-        extra = read_extra(path)
+        if not exists(path) and is_deepspeed_checkpoint(path):  # a run moved over from DeepSpeed
+            ck = read_deepspeed(path)
+            extra = {"micro_steps": ck.global_steps * self.gradient_accumulation_steps(),
+                     "global_samples": ck.global_samples, "lr_scheduler": ck.lr_scheduler,
+                     "client_state": ck.client_state}
+        else:
+            extra = read_extra(path)
         loaded, current = load(path, like=self._state), self._with_group_edits(self._state)
         if load_module_only:  # the weights alone: counters, optimizer and scaler stay the engine's
             loaded = loaded.replace(step=current.step, opt=current.opt, hyper=current.hyper,

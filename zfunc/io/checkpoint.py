@@ -32,6 +32,7 @@ from zfunc.io import commit
 from zfunc._tree import tree
 from zfunc.core.create import full_params, place_master
 from zfunc.core.donation import check_live
+from zfunc.io.deepspeed_checkpoint import is_deepspeed_checkpoint, load_deepspeed
 from zfunc.errors import CheckpointError
 from zfunc.distributed.layout import Layout, Unit
 from zfunc.core.state import TrainState, accumulator_numel, host_flag, released_grads
@@ -278,7 +279,9 @@ def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True)
     """The state saved at ``path``, laid out like ``like`` (call on every rank).
 
     The world size and the ZeRO stage may differ from the saving run's. ``like`` is only read.
-    With ``restore_rng`` and an equal world size, each rank's torch RNG is restored too.
+    With ``restore_rng`` and an equal world size, each rank's torch RNG is restored too. A
+    DeepSpeed ZeRO checkpoint directory loads too (`zfunc.io.deepspeed_checkpoint`): its master
+    weights, Adam moments and step counts.
 
     Raises:
         CheckpointError: incomplete directory, or a checkpoint of another model (missing or extra
@@ -295,6 +298,9 @@ def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True)
         ...     print(str(e)[str(e).index("shapes"):])
         shapes differ (checkpoint vs model): ['weight [2, 3] vs [4, 3]', 'bias [2] vs [4]']. Nothing was loaded.
     """
+    if not exists(path) and is_deepspeed_checkpoint(path):
+        check_live(like, "load")
+        return load_deepspeed(path, like)
     path = locate(path)
     meta = read_meta(path)
     _check_fits(meta, like, path)

@@ -1,6 +1,6 @@
 """Consolidated weights from a checkpoint, streamed: ``python -m zfunc.convert CHECKPOINT OUT``.
 
-DeepSpeed's ``zero_to_fp32.py`` for zfunc checkpoints: the full parameters (the fp32 master
+DeepSpeed's ``zero_to_fp32.py``, for zfunc and DeepSpeed checkpoints: the full parameters (the fp32 master
 weights, or ``--dtype bf16``/``fp16``), frozen parameters and buffers, as one safetensors file or
 as shards with a Hugging Face index (``--max-shard-size``). Parameters are read and written one
 at a time: safetensors' header is written first from the shapes the checkpoint records, then
@@ -25,7 +25,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from zfunc.errors import CheckpointError
-from zfunc.io.checkpoint import _quiet, locate, read_meta
+from zfunc.io.checkpoint import _quiet, exists, locate, read_meta
+from zfunc.io.deepspeed_checkpoint import is_deepspeed_checkpoint, read_deepspeed
 
 __all__ = ["Entry", "checkpoint_entries", "write_safetensors", "convert", "main"]
 
@@ -77,7 +78,15 @@ def write_safetensors(path: str | os.PathLike, entries: Sequence[Entry], read: C
 
 def checkpoint_entries(path: str | os.PathLike) -> tuple[list[Entry], Callable[[str], torch.Tensor]]:
     """The tensors of a zfunc checkpoint (trainable parameters' master weights, in the recorded
-    order, then frozen parameters and buffers) and a function reading one of them in full."""
+    order, then frozen parameters and buffers) and a function reading one of them in full. A
+    DeepSpeed ZeRO checkpoint directory works too: its fp32 masters, assembled one parameter at
+    a time from the memory-mapped rank files (`zfunc.io.deepspeed_checkpoint`)."""
+    if not exists(path) and is_deepspeed_checkpoint(path):
+        ck = read_deepspeed(path)
+        held = {**ck.frozen, **ck.buffers}
+        entries = [(n, tuple(ck.master.shapes[n]), torch.float32) for n in ck.master]
+        entries += [(n, tuple(t.shape), t.dtype) for n, t in held.items()]
+        return entries, lambda name: ck.master[name] if name in ck.master else held[name]
     where = locate(path)
     meta = read_meta(where)
     stored = dcp.FileSystemReader(where).read_metadata().state_dict_metadata
@@ -199,7 +208,7 @@ def _bar(total: int, progress: bool | None) -> Any:
 
 def main(argv: Iterable[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m zfunc.convert", description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", help="a zfunc checkpoint directory (zfunc.save)")
+    parser.add_argument("checkpoint", help="a zfunc checkpoint directory (zfunc.save), or DeepSpeed's")
     parser.add_argument("out", help="a .safetensors file, or a directory")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), help="cast floating tensors (default: as stored)")
     parser.add_argument("--max-shard-size", help="write shards of at most this size and an index (e.g. 2GB)")

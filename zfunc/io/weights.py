@@ -49,11 +49,7 @@ class Weights:
 
     def _handle(self, path: Path) -> Any:
         if path not in self._open:
-            if path.suffix == ".safetensors":
-                from safetensors import safe_open
-                self._open[path] = safe_open(str(path), framework="pt")
-            else:
-                self._open[path] = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            self._open[path] = _opened(path)
         return self._open[path]
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -83,7 +79,11 @@ class Weights:
             whole = handle[key] if isinstance(handle, dict) else handle.get_tensor(key)
             return whole.reshape(1)[start:stop]
         first, last = start // row, -(-stop // row)
-        rows = handle[key][first:last] if isinstance(handle, dict) else handle.get_slice(key)[first:last]
+        try:
+            rows = handle[key][first:last] if isinstance(handle, dict) else handle.get_slice(key)[first:last]
+        except Exception as e:  # noqa: BLE001 - a damaged file, whatever its reader raises
+            raise ConfigError(f"weights: {str(self.files[key])!r}: reading {key!r} failed ({e}); the file is damaged "
+                              "or truncated") from e
         flat = rows.reshape(-1)
         return flat[start - first * row:stop - first * row]
 
@@ -93,6 +93,18 @@ class Weights:
 
     def names(self) -> list[str]:
         return list(self.files)
+
+
+def _opened(path: Path) -> Any:
+    """A lazily read safetensors file, or a memory-mapped torch state dict."""
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+            return safe_open(str(path), framework="pt")
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a damaged file, whatever its reader raises
+        raise ConfigError(f"weights: {str(path)!r} is unreadable ({type(e).__name__}: {str(e)[:200]}); the file is "
+                          "damaged or truncated, or not a safetensors/torch file") from e
 
 
 def open_weights(path: str | os.PathLike, rename: Mapping[str, str] | Callable[[str], str] | None = None) -> Weights:
@@ -129,13 +141,20 @@ def open_weights(path: str | os.PathLike, rename: Mapping[str, str] | Callable[[
         index = json.loads(p.read_text())
         if "weight_map" not in index:
             raise ConfigError(f"weights: {str(p)!r} has no 'weight_map' (not a Hugging Face shard index)")
-        return Weights({k: p.parent / v for k, v in index["weight_map"].items()}, rename)
+        files = {k: p.parent / v for k, v in index["weight_map"].items()}
+        w = Weights(files, rename)
+        for f in sorted(set(files.values())):
+            if not f.exists():
+                raise ConfigError(f"weights: {str(f)!r}, a shard {p.name} names, does not exist")
+            w._open[f] = _opened(f)  # every shard readable before anything is loaded
+        return w
     if p.suffix == ".safetensors":
-        from safetensors import safe_open
-        with safe_open(str(p), framework="pt") as f:
-            return Weights(dict.fromkeys(f.keys(), p), rename)
+        w = Weights({}, rename)
+        w._open[p] = _opened(p)
+        w.files = dict.fromkeys(w._open[p].keys(), p)
+        return w
     if p.suffix in (".bin", ".pt", ".pth"):
-        sd = torch.load(p, map_location="cpu", mmap=True, weights_only=True)
+        sd = _opened(p)
         if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
             raise ConfigError(f"weights: {str(p)!r} is not a state dict of tensors (a zfunc or DeepSpeed "
                               "checkpoint loads with zfunc.load)")

@@ -1,0 +1,126 @@
+"""DeepSpeed ZeRO checkpoints in: made by DeepSpeed 0.19.8 itself (tests/fixtures/deepspeed/make.py),
+continued in zfunc at other world sizes and stages."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import zfunc
+from tests.fixtures.deepspeed.make import BETAS, CLIP, EPS, LR, WD, Small, batch
+from tests.helpers import run_ranks
+from zfunc.io.deepspeed_checkpoint import read_deepspeed
+
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "deepspeed")
+CASES = [f"zero{s}_{p}" for s in (1, 2, 3) for p in ("fp32", "bf16")]
+
+
+def _config(stage: int, grad_accum: int, precision: str = "fp32") -> zfunc.Config:
+    return zfunc.Config(stage=stage, grad_accum=grad_accum, clip=CLIP, precision=precision,
+                        optimizer=zfunc.adamw(lr=LR, weight_decay=WD, betas=BETAS, eps=EPS))
+
+
+def _continued(rank: int, case: str, stage: int) -> tuple[dict[str, torch.Tensor], int, int]:
+    """Load DeepSpeed's step-3 checkpoint and run its steps 3 and 4: the same two micro-batches
+    per step (DeepSpeed's ranks 0 and 1), split over this world."""
+    world = zfunc.comm.world().size
+    torch.manual_seed(123)  # other initial values than the checkpoint's
+    state = zfunc.load(os.path.join(HERE, case), like=zfunc.init(Small(), _config(stage, 2 // world)))
+    steps, count = int(state.step), int(state.opt.count)
+    for step in (3, 4):
+        for micro in range(2 // world):
+            state, _ = zfunc.backward_step(state, lambda m, x: m(x), batch(step, rank * (2 // world) + micro),
+                                           donate=True)
+        state = zfunc.apply_step(state, donate=True)
+    return zfunc.full_params(state), steps, count
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.endswith("fp32")])
+def test_continuing_a_deepspeed_checkpoint_equals_continuing_in_deepspeed(case):
+    after = torch.load(os.path.join(HERE, case, "after.pt"))
+    for world in (1, 2):
+        for stage in (0, 1, 2, 3):
+            for params, steps, count in run_ranks(_continued, world, case, stage):
+                assert steps == 3 and count == 3
+                assert sorted(params) == sorted(after)
+                worst = max((params[n] - after[n]).abs().max().item() for n in after)
+                assert worst <= 1e-6, f"{case} world {world} stage {stage}: {worst}"
+
+
+def _loaded(rank: int, case: str, stage: int, precision: str) -> tuple[dict, dict, dict, int]:
+    state = zfunc.load(os.path.join(HERE, case), like=zfunc.init(Small(), _config(stage, 1, precision)))
+    moments = {k: zfunc.core.create.gather_by_name(state, getattr(state.opt, k)) for k in ("mu", "nu")}
+    return zfunc.full_params(state), moments, {**state.frozen}, int(state.opt.count)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_any_world_and_stage_reads_the_masters_moments_and_frozen_values(case):
+    ck = read_deepspeed(os.path.join(HERE, case))
+    precision = case.split("_")[1]
+    for world in (1, 3):
+        for stage in (0, 3) if world == 1 else (1, 2, 3):
+            for params, moments, frozen, count in run_ranks(_loaded, world, case, stage, precision):
+                assert count == ck.step == 3
+                assert all(torch.equal(params[n], ck.master[n]) for n in ck.master), (case, world, stage)
+                assert all(torch.equal(moments["mu"][n], ck.moments["exp_avg"][n].to(moments["mu"][n].dtype))
+                           and torch.equal(moments["nu"][n], ck.moments["exp_avg_sq"][n].to(moments["nu"][n].dtype))
+                           for n in ck.master)
+                assert all(torch.equal(frozen[n], ck.frozen[n].to(frozen[n].dtype)) for n in ck.frozen)
+
+
+def test_a_deepspeed_checkpoint_of_another_model_or_optimizer_is_refused():
+    other = zfunc.init(torch.nn.Linear(3, 2), _config(2, 1))
+    with pytest.raises(zfunc.CheckpointError, match="a DeepSpeed checkpoint of another model: parameters only in"):
+        zfunc.load(os.path.join(HERE, "zero2_fp32"), like=other)
+    sgd = zfunc.init(Small(), zfunc.Config(optimizer=zfunc.sgd(lr=0.1, momentum=0.9)))
+    with pytest.raises(zfunc.CheckpointError, match="holds Adam moments; this state trains with sgd"):
+        zfunc.load(os.path.join(HERE, "zero3_fp32"), like=sgd)
+
+
+def _engine_continues(rank: int, case: str) -> tuple[dict[str, torch.Tensor], int, int]:
+    ds = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": CLIP,
+          "zero_optimization": {"stage": 3},
+          "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "betas": list(BETAS), "eps": EPS}}}
+    engine, *_ = zfunc.initialize(model=Small(), config=ds)
+    path, client = engine.load_checkpoint(os.path.join(HERE, case))
+    steps, samples = engine.global_steps, engine.global_samples
+    for step in (3, 4):
+        engine.backward(engine(batch(step, rank)))
+        engine.step()
+    return zfunc.full_params(engine.state), steps, samples
+
+
+def test_the_engine_loads_a_deepspeed_checkpoint_and_continues_as_deepspeed():
+    after = torch.load(os.path.join(HERE, "zero2_fp32", "after.pt"))
+    for params, steps, samples in run_ranks(_engine_continues, 2, "zero2_fp32"):
+        assert steps == 3 and samples == 24
+        assert max((params[n] - after[n]).abs().max().item() for n in after) <= 1e-6
+
+
+def test_a_deepspeed_checkpoint_with_a_missing_rank_file_names_it(tmp_path):
+    import shutil
+
+    broken = tmp_path / "ckpt"
+    shutil.copytree(os.path.join(HERE, "zero2_fp32"), broken)
+    os.remove(broken / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    like = zfunc.init(Small(), _config(2, 1))
+    with pytest.raises(zfunc.CheckpointError, match=r"saved this checkpoint on 2 ranks, but rank files are missing: "
+                                                    r"\['zero_pp_rank_1_mp_rank_00_optim_states.pt'\]"):
+        zfunc.load(str(broken), like=like)
+
+
+def test_convert_reads_a_deepspeed_checkpoint_one_parameter_at_a_time(tmp_path):
+    from safetensors.torch import load_file
+
+    from zfunc.io.convert import convert
+
+    for case in ("zero2_fp32", "zero3_bf16"):
+        ck = read_deepspeed(os.path.join(HERE, case))
+        (f,) = convert(os.path.join(HERE, case), str(tmp_path / f"{case}.safetensors"), progress=False)
+        got = load_file(f)
+        assert sorted(got) == sorted([*ck.master, *ck.frozen])
+        assert all(torch.equal(got[n], ck.master[n]) for n in ck.master)
+        state = zfunc.init(Small(), _config(3, 1), weights=f)  # and into a zfunc run of its own
+        assert all(torch.equal(v, ck.master[n]) for n, v in zfunc.full_params(state).items())
