@@ -70,7 +70,7 @@ def run_rank(rank: int, kind: str, cfg: GPTConfig, weights: str | None, save: st
             "params": state.layout.numel}
 
 
-def _export(cfg: GPTConfig, path: str) -> None:
+def _export(rank: int, cfg: GPTConfig, path: str) -> None:
     """The model's weights as one safetensors file (made from a meta build, one rank)."""
     torch.manual_seed(0)
     with torch.device("meta"):

@@ -39,8 +39,13 @@ from zfunc.core.update import apply_step, learning_rates, set_hyperparams
 __all__ = ["Engine", "initialize", "init_distributed", "add_config_arguments"]
 
 
-class Engine:
+class Engine(torch.nn.Module):
     """A DeepSpeed-compatible engine: ``engine(x)``, ``engine.backward(loss)``, ``engine.step()``.
+
+    Like DeepSpeed's, the engine is an ``nn.Module`` wrapping the user's (``engine.module``):
+    ``named_parameters()`` lists ``module.<name>`` (at stages 0-2 views of the current compute
+    weights; at stage 3 empty, as DeepSpeed's partitioned parameters are), ``train()``/``eval()``
+    set the module's mode, ``destroy()`` takes zfunc's hooks off the module and drops the state.
 
     Examples:
         >>> import torch, zfunc
@@ -59,6 +64,7 @@ class Engine:
     def __init__(self, model: torch.nn.Module, cfg: Config, *, group: comm.Group | None = None,
                  batch: BatchSizes | None = None, optimizer_groups: list[dict[str, Any]] | None = None,
                  lr_scheduler: Any = None):
+        super().__init__()
         self.module = model
         self.config = cfg
         self.micro_steps = 0
@@ -144,6 +150,8 @@ class Engine:
         """The module bound to the state (for ``engine(x)`` and ``engine.module(x)``), with a real
         gradient accumulator behind the sinks when autograd is on (none is held between steps)."""
         st = self._state
+        if st is None:
+            raise RuntimeError("engine: destroy() was called; build a new engine with zfunc.initialize")
         if not torch.is_grad_enabled():
             return bind(st, self._sinks, donate=True)
         if is_released(st.grads):
@@ -152,8 +160,6 @@ class Engine:
         if self.is_gradient_accumulation_boundary() and self._fold is None:
             self._fold = boundary_fold(st)  # every call until step() shares it
         return bind(st, self._sinks, donate=True, fold=self._fold)
-
-    __call__ = forward
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward from a scalar ``loss``; returns the loss divided by ``grad_accum``.
@@ -417,12 +423,13 @@ class Engine:
         comm.all_gather_object(None, self._state.group)  # barrier: the file is there
         return True
 
-    def train(self, mode: bool = True) -> Engine:
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> Engine:
-        return self.train(False)
+    def destroy(self) -> None:
+        """Release what the engine holds: zfunc's hooks leave the module and the state is dropped
+        (DeepSpeed's ``engine.destroy()``). The engine cannot train afterwards."""
+        self._router.remove()
+        self._destroyed = True
+        self._state = None  # type: ignore[assignment]
+        self._sinks = []
 
 
 def _no_stage3_state_dict(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:

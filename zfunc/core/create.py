@@ -315,15 +315,37 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
         low = t.dtype in (torch.float32, torch.bfloat16, torch.float16)
         return comm.broadcast(t.detach(), 0, group).to(cdt if low else t.dtype)
 
-    pieces: dict[int, torch.Tensor] = {}  # unit -> what this rank keeps of its master values
+    # What this rank keeps of each unit's master values (all of it at stage 0), written in place
+    master = torch.empty(layout.full_numel if cfg.stage == 0 else layout.arena_numel, dtype=mdt, device=device)
+    starts = [sum(u.padded for u in layout.units[:i]) for i in range(len(layout.units))]
+    pieces = {i: master.narrow(0, starts[i], u.padded) if cfg.stage == 0 else layout.arena_slice(master, u)
+              for i, u in enumerate(layout.units)}
 
     def keep(i: int, values: dict[str, torch.Tensor]) -> None:  # one unit's values: rank 0's, sharded
         u = layout.units[i]
-        flat = comm.broadcast(layout.flatten_unit(u, values, mdt, device), 0, group)
-        pieces[i] = flat if cfg.stage == 0 else flat.narrow(0, *layout.owned_start_len(u)).clone()
+        flat = comm.broadcast_(layout.flatten_unit(u, values, mdt, device), 0, group)
+        pieces[i].copy_(flat if cfg.stage == 0 else flat.narrow(0, *layout.owned_start_len(u)))
 
     if lazy:
-        rest = materialize(model, [[s.name for s in u.slots] for u in layout.units], init_fn, keep)
+        slot_of = {s.name: (i, s) for i, u in enumerate(layout.units) for s in u.slots}
+        flats: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+        def allocate(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            # A unit's parameters are views of one host buffer in the layout's order: one
+            # allocation per unit, freed at once when the unit is handed over.
+            i, s = slot_of[name]
+            flat = flats.get((i, dtype))
+            if flat is None:
+                flat = flats[(i, dtype)] = torch.empty(layout.units[i].padded, dtype=dtype)
+            return flat.narrow(0, s.offset, s.numel).view(shape)
+
+        def keep_and_free(i: int, values: dict[str, torch.Tensor]) -> None:
+            keep(i, values)
+            for key in [k for k in flats if k[0] == i]:
+                del flats[key]
+
+        rest = materialize(model, [[s.name for s in u.slots] for u in layout.units], init_fn, keep_and_free,
+                           allocate)
         named = {n: rest[n].to(device) for n in named if n not in trainable}  # frozen
         buffers_of = {n: rest[n].to(device) for n, _ in model.named_buffers()}
         donate = True  # the module holds meta tensors: it runs through zfunc only
@@ -335,7 +357,6 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
     buffers = {n: replicated(b) for n, b in buffers_of.items()}
     if weights is not None:
         read_weights(open_weights(weights, weights_map), layout, cfg.stage, pieces, {**frozen, **buffers})
-    master = torch.cat([pieces[i] for i in range(len(layout.units))])
     del pieces
     params, compute = place_master(master, cfg, layout, mesh)
     opt = cfg.optimizer

@@ -36,6 +36,7 @@ from zfunc.errors import ConfigError
 __all__ = ["on_meta", "materialize"]
 
 Places = list[tuple[dict[str, Any], str]]  # where one tensor is held: (module._parameters or ._buffers, key)
+Allocate = Callable[[str, tuple[int, ...], torch.dtype], "torch.Tensor | None"]
 
 
 def on_meta(model: torch.nn.Module) -> bool:
@@ -77,11 +78,13 @@ class _Tensors:
         for entries, key in self.places[name]:
             entries[key] = t
 
-    def make(self, name: str, device: torch.device | str) -> torch.Tensor:
-        """``name`` as a new tensor on ``device`` (NaN when floating, so a value never set is
-        caught), put wherever it is held."""
+    def make(self, name: str, allocate: Allocate | None = None) -> torch.Tensor:
+        """``name`` as a new host tensor (from ``allocate`` if given; NaN when floating, so a
+        value never set is caught), put wherever it is held."""
         old = self.get(name)
-        new = torch.empty(old.shape, dtype=old.dtype, device=device)
+        new = allocate(name, tuple(old.shape), old.dtype) if allocate is not None else None
+        if new is None:
+            new = torch.empty(old.shape, dtype=old.dtype)
         if new.is_floating_point():
             new.fill_(float("nan"))
         if isinstance(old, torch.nn.Parameter):
@@ -92,12 +95,14 @@ class _Tensors:
 
 def materialize(model: torch.nn.Module, units: list[list[str]],
                 init_fn: Callable[[torch.nn.Module], None] | None,
-                on_unit: Callable[[int, dict[str, torch.Tensor]], None]) -> dict[str, torch.Tensor]:
+                on_unit: Callable[[int, dict[str, torch.Tensor]], None],
+                allocate: Allocate | None = None) -> dict[str, torch.Tensor]:
     """Initialise the meta-built ``model`` (see the module docstring): ``on_unit(i, values)``
     once per unit ``units[i]`` (parameter names) as soon as its values are final, in the same
     order on every rank; those parameters go back to ``meta`` after. Returns every other
     parameter and buffer (frozen ones and buffers, which every rank keeps) by name; the module
-    holds them too.
+    holds them too. ``allocate(name, shape, dtype)`` may give a unit parameter its memory (a
+    view of one buffer per unit, say, so a unit is one allocation, freed as one); None: its own.
 
     Raises:
         ConfigError: a module holding tensors on meta has no ``reset_parameters`` and no
@@ -153,7 +158,7 @@ def materialize(model: torch.nn.Module, units: list[list[str]],
             continue
         for name in names:
             if name not in made and tensors.get(name).is_meta:
-                made[name] = tensors.make(name, "cpu")._version
+                made[name] = tensors.make(name, allocate if name in unit_of else None)._version
         if hasattr(mod, "reset_parameters"):
             if states is None:
                 _reset(mod, tensors, first_owner)
@@ -213,19 +218,25 @@ def _own_places(mod: torch.nn.Module, tensors: _Tensors) -> list[tuple[dict[str,
 
 
 def _construction_states(tensors: _Tensors, first_owner: dict[str, int]) -> dict[int, torch.Tensor]:
-    """Replay construction's draws (every ``reset_parameters`` in module order, on scratch
-    tensors dropped at once); return the CPU generator's state before each module's draws. The
-    generator is left where construction left it."""
+    """Replay construction's draws (every ``reset_parameters`` in module order, on views of one
+    scratch buffer); return the CPU generator's state before each module's draws. The generator
+    is left where construction left it."""
     states = {}
+    sizes = [sum(_nbytes(entries[key]) for entries, key, _ in _own_places(mod, tensors)) for mod in tensors.modules]
+    pool = torch.empty(max(sizes, default=0) + 64 * len(max(tensors.own.values(), key=len, default=[])),
+                       dtype=torch.uint8)
     for mod in tensors.modules:
         names = tensors.own.get(id(mod), [])
         if not names or not hasattr(mod, "reset_parameters"):
             continue
         states[id(mod)] = torch.get_rng_state()
         saved = [(entries, key, entries[key]) for entries, key, _ in _own_places(mod, tensors)]
+        at = 0
         try:
             for entries, key, t in saved:
-                scratch = torch.empty(t.shape, dtype=t.dtype)
+                n = _nbytes(t)
+                scratch = pool.narrow(0, at, n).view(t.dtype).view(t.shape)
+                at += -(-n // 64) * 64  # each view 64-byte aligned
                 entries[key] = torch.nn.Parameter(scratch, requires_grad=t.requires_grad) \
                     if isinstance(t, torch.nn.Parameter) else scratch
             with torch.no_grad():
@@ -234,6 +245,10 @@ def _construction_states(tensors: _Tensors, first_owner: dict[str, int]) -> dict
             for entries, key, t in saved:
                 entries[key] = t
     return states
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _post_order(module: torch.nn.Module) -> list[torch.nn.Module]:

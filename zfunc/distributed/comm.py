@@ -24,7 +24,7 @@ from zfunc.autograd._vmap import VmapAsIs
 from zfunc.errors import refuse_create_graph
 from zfunc.autograd.widen import widened
 
-__all__ = ["Group", "world", "all_reduce", "reduce_scatter", "all_gather", "broadcast",
+__all__ = ["Group", "world", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "broadcast_",
            "all_gather_object", "unit_params", "all_reduce_start", "reduce_", "reduce_scatter_",
            "reduce_scatter_start", "all_gather_start", "all_gather_range_start"]
 
@@ -432,12 +432,22 @@ def broadcast(x: torch.Tensor, src: int = 0, group: Group | None = None) -> torc
         >>> zfunc.comm.broadcast(torch.tensor([3.0])).tolist()
         [3.0]
     """
+    return broadcast_(x.clone(), src, group)
+
+
+def broadcast_(x: torch.Tensor, src: int = 0, group: Group | None = None) -> torch.Tensor:
+    """`broadcast` into ``x`` itself (returned).
+
+    Examples:
+        >>> import torch, zfunc
+        >>> zfunc.comm.broadcast_(torch.tensor([3.0])).tolist()
+        [3.0]
+    """
     group = group or world()
-    out = x.clone()
     if group.size > 1:
         global_src = src if group.pg is None else dist.get_global_rank(group.pg, src)
-        dist.broadcast(out, src=global_src, group=group.pg)
-    return out
+        dist.broadcast(x, src=global_src, group=group.pg)
+    return x
 
 
 def all_gather_object(obj: Any, group: Group | None = None) -> list[Any]:
