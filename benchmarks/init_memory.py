@@ -114,9 +114,9 @@ def main(argv: list[str] | None = None) -> None:
     if "convert" in only and os.path.exists(ckpt):
         out = os.path.join(work, "converted.safetensors")
         code = ("import resource, time, sys, os\n"
+                "from zfunc.io.convert import main\n"
                 "with open('/proc/self/statm') as f: before = int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')\n"
                 "t = time.perf_counter()\n"
-                "from zfunc.io.convert import main\n"
                 f"main([{ckpt!r}, {out!r}])\n"
                 "print('seconds', time.perf_counter() - t)\n"
                 "print('peak', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)\n")

@@ -349,3 +349,31 @@ def test_second_order_terms_are_exact_or_refused(stage):
             assert "grad_accum * world == 1" in penalty, penalty  # grad_accum 2: refused
             assert world > 1 or "through a zfunc model's parameters" in through_params, through_params
             assert diff <= 2e-6, diff  # grad_accum 1 on one rank: the penalty trains as in torch
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_engine_is_a_module_wrapping_the_users_and_destroy_lets_it_go(stage):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    hooks_before = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    engine, *_ = zfunc.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}})
+    assert isinstance(engine, nn.Module) and engine.module is model
+    names = [n for n, _ in engine.named_parameters()]
+    assert names == [f"module.{n}" for n, _ in model.named_parameters()]
+    engine.backward(engine(torch.randn(4, 3)).square().mean())
+    engine.step()
+    if stage < 3:  # the module's parameters are the current weights
+        full = zfunc.full_params(engine.state)
+        assert all(torch.equal(p, full[n[len("module."):]]) for n, p in engine.named_parameters())
+    else:  # partitioned: empty, as DeepSpeed's
+        assert all(p.numel() == 0 for p in engine.parameters())
+    assert engine.eval() is engine and not model.training and not model[1].training
+    assert engine.train() is engine and model[1].training
+    engine.destroy()
+    hooks_after = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    # none of zfunc's hooks stay, but a donated module's (stage 3) refusals: the top and its 3 holders
+    assert hooks_before == 0 and hooks_after == (4 if stage == 3 else 0)
+    with pytest.raises(RuntimeError, match=r"destroy\(\) was called"):
+        engine(torch.randn(4, 3))

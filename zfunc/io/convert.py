@@ -67,7 +67,7 @@ def write_safetensors(path: str | os.PathLike, entries: Sequence[Entry], read: C
             t = read(name).detach().to("cpu", dtype).contiguous()
             if tuple(t.shape) != tuple(shape):
                 raise CheckpointError(f"{name}: read shape {list(t.shape)}, the header says {list(shape)}")
-            data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            data = t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b""  # no copy
             f.write(data)
             if done is not None:
                 done(len(data))
@@ -99,24 +99,56 @@ def checkpoint_entries(path: str | os.PathLike) -> tuple[list[Entry], Callable[[
     entries: list[Entry] = [(n, tuple(s), master) for n, s in meta["params"].items()]
     entries += [(n, tuple(s), stored[f"f/{n}"].properties.dtype) for n, s in meta["replicated"].items()]
     shapes = {n: s for n, s, _ in entries}
+    order = [n for n, _, _ in entries]
+    size = {n: math.prod(s) * torch.empty((), dtype=d).element_size() for n, s, d in entries}
+    budget = max(size.values(), default=0)  # tensors assembled at once: at most the largest one's bytes
+    piece_bytes = [stored[k].size[0] * torch.empty((), dtype=master).element_size() for ks in pieces.values()
+                   for _, k in ks]
+    read_budget = max([32 << 20, *piece_bytes])
+    ready: dict[str, torch.Tensor] = {}
+
+    def load_batch(first: str) -> None:
+        """``first`` and the tensors after it, up to ``budget`` bytes, in one read."""
+        names, used = [], 0
+        for n in order[order.index(first):]:
+            if names and used + size[n] > budget:
+                break
+            names.append(n)
+            used += size[n]
+        want = {}  # each piece read straight into its place in the parameter's flat buffer
+        for n in names:
+            if n in meta["params"]:
+                flat = torch.empty(math.prod(shapes[n]), dtype=master)
+                covered = 0
+                for start, key in pieces.get(n, []):
+                    want[key] = flat.narrow(0, start, stored[key].size[0])
+                    covered += stored[key].size[0]
+                if covered != flat.numel():
+                    raise CheckpointError(f"{where}: the pieces of {n!r} cover {covered} of its {flat.numel()} elements")
+                ready[n] = flat.view(shapes[n])
+            else:
+                key = f"f/{n}"
+                ready[n] = want[key] = torch.empty(stored[key].size, dtype=stored[key].properties.dtype)
+        # In reads of at most one stored piece's bytes (or 32 MiB): what a read holds in flight
+        chunk, used = {}, 0
+        for key, target in want.items():
+            n = target.numel() * target.element_size()
+            if chunk and used + n > read_budget:
+                _read(chunk)
+                chunk, used = {}, 0
+            chunk[key] = target
+            used += n
+        if chunk:
+            _read(chunk)
+
+    def _read(chunk: dict[str, torch.Tensor]) -> None:
+        with _quiet():
+            dcp.load(chunk, checkpoint_id=where, no_dist=True)
 
     def read(name: str) -> torch.Tensor:
-        if name in meta["params"]:
-            want = {k: torch.empty(stored[k].size, dtype=master) for _, k in pieces.get(name, [])}
-        else:
-            want = {f"f/{name}": torch.empty(stored[f"f/{name}"].size, dtype=stored[f"f/{name}"].properties.dtype)}
-        with _quiet():
-            dcp.load(want, checkpoint_id=where, no_dist=True)
-        if name not in meta["params"]:
-            return want[f"f/{name}"]
-        flat = torch.empty(math.prod(shapes[name]), dtype=master)
-        covered = 0
-        for start, key in pieces[name]:
-            flat.narrow(0, start, want[key].numel()).copy_(want[key].reshape(-1))
-            covered += want[key].numel()
-        if covered != flat.numel():
-            raise CheckpointError(f"{where}: the pieces of {name!r} cover {covered} of its {flat.numel()} elements")
-        return flat.view(shapes[name])
+        if name not in ready:
+            load_batch(name)
+        return ready.pop(name)
 
     return entries, read
 
