@@ -19,6 +19,7 @@ import sys
 
 from zfunc._tree import tree as tree
 from zfunc.autograd.forward_gather import settle as settle
+from zfunc.compat import utils as utils
 from zfunc.compat import zero as zero
 from zfunc.compat.engine import Engine as Engine
 from zfunc.compat.engine import add_config_arguments as add_config_arguments
@@ -70,6 +71,7 @@ from zfunc.tools.memory import memory_report as memory_report
 sys.modules[__name__ + ".comm"] = comm
 sys.modules[__name__ + ".schedules"] = schedules
 sys.modules[__name__ + ".zero"] = zero
+sys.modules[__name__ + ".utils"] = utils
 
 __version__ = "0.1.0"
 
@@ -120,6 +122,7 @@ __all__ = [
     "sgd",
     "train_step",
     "tree",
+    "utils",
     "vjp",
     "zero",
 ]

@@ -32,6 +32,7 @@ from zfunc.compat.deepspeed_config import BatchSizes, translate
 from zfunc.errors import ConfigError
 from zfunc.core.optim import OPTIMIZERS
 from zfunc.autograd.forward_gather import settle
+from zfunc.compat.utils import register as register_params
 from zfunc.compat.optimizer_view import OptimizerView, plan_groups
 from zfunc.core.state import TrainState, accumulator, is_released
 from zfunc.core.update import apply_step, learning_rates, set_hyperparams
@@ -107,6 +108,7 @@ class Engine(torch.nn.Module):
             sink.register_post_accumulate_grad_hook(self._grad_arrived)
         self._backward_seen = False
         self._share_module_params()
+        register_params(self)  # for zfunc.utils' accessors (DeepSpeed's deepspeed.utils)
 
     def _grad_arrived(self, _: torch.Tensor) -> None:
         self._backward_seen = True

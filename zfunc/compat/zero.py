@@ -1,4 +1,5 @@
-"""``deepspeed.zero`` names: `Init`, DeepSpeed's way of building a model too big for one rank.
+"""``deepspeed.zero`` names: `Init`, DeepSpeed's way of building a model too big for one rank, and
+`GatheredParameters`, its way of reading and writing full parameters at stage 3.
 
 Under `Init` a model is built on the ``meta`` device (no memory, no values); `zfunc.init` and
 `zfunc.initialize` then materialize it one unit at a time, each rank keeping only its shard
@@ -14,7 +15,7 @@ import torch
 
 from zfunc.errors import ConfigError
 
-__all__ = ["Init"]
+__all__ = ["Init", "GatheredParameters"]
 
 # DeepSpeed's keywords that zfunc takes as they are (their values change nothing here), with the
 # values it can honour; anything else is refused by name.
@@ -66,3 +67,61 @@ class Init(contextlib.AbstractContextManager):
         if self._device is not None:
             self._device.__exit__(*exc)
             self._device = None
+
+
+class GatheredParameters(contextlib.AbstractContextManager):
+    """Full parameters inside the block, as ``deepspeed.zero.GatheredParameters``: ``params`` (one
+    parameter of an engine's module, or several) hold their full current weights while the block
+    runs (at stage 3 they are empty otherwise; at stages 0-2 they are full already). With
+    ``modifier_rank``, what that rank writes into them is broadcast and becomes the master weight
+    (and compute copy) on every rank when the block ends. A collective at stage 3 and with
+    ``modifier_rank``: enter it on every rank. ``enabled=False`` does nothing.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> engine, *_ = zfunc.initialize(model=torch.nn.Linear(2, 1), config={
+        ...     "train_batch_size": 1, "zero_optimization": {"stage": 3}})
+        >>> w = engine.module.weight
+        >>> with zfunc.zero.GatheredParameters(w, modifier_rank=0):
+        ...     full = w.shape
+        ...     with torch.no_grad():
+        ...         _ = w.fill_(0.5)
+        >>> full, w.numel(), zfunc.utils.safe_get_full_fp32_param(w).tolist()
+        (torch.Size([1, 2]), 0, [[0.5, 0.5]])
+    """
+
+    def __init__(self, params: Any, modifier_rank: int | None = None, fwd_module: Any = None, enabled: bool = True):
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        self.params = [p for p in params if p is not None] if enabled else []
+        self.modifier_rank = modifier_rank
+        self._restore: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __enter__(self) -> GatheredParameters:
+        from zfunc.compat.utils import _full, owner_of
+
+        for p in self.params:
+            engine, name = owner_of(p)
+            st = engine.state
+            if st.stage == 3:
+                full = _full(st, st.compute, name)
+                if full is None:  # frozen: replicated already
+                    full = st.frozen[name]
+                self._restore.append((p, p.data))
+                p.data = full.to(p.dtype)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        from zfunc.compat.utils import owner_of, safe_set_full_fp32_param
+        from zfunc.distributed import comm
+
+        try:
+            if self.modifier_rank is not None and exc[0] is None:
+                for p in self.params:
+                    engine, _ = owner_of(p)
+                    value = comm.broadcast(p.data.detach(), self.modifier_rank, engine.state.group)
+                    safe_set_full_fp32_param(p, value)
+        finally:
+            for p, data in self._restore:
+                p.data = data
+            self._restore = []

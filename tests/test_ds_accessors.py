@@ -1,0 +1,104 @@
+"""DeepSpeed's accessors (zfunc.utils, zfunc.zero.GatheredParameters) against plain torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zfunc
+from tests.helpers import run_ranks
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+
+
+def _batch(rank: int, micro: int) -> torch.Tensor:
+    return torch.randn(4, 5, generator=torch.Generator().manual_seed(10 * rank + micro))
+
+
+def _reference(world: int, ga: int) -> tuple[dict, dict, dict]:
+    """Mean gradient over every rank's micro-batches, then one torch AdamW step."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.0)
+    for r in range(world):
+        for m in range(ga):
+            (model(_batch(r, m)).square().mean() / (world * ga)).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    opt.step()
+    moments = {n: (opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone())
+               for n, p in model.named_parameters()}
+    return grads, {n: p.detach().clone() for n, p in model.named_parameters()}, moments
+
+
+def _accessors(rank: int, stage: int, ga: int) -> dict:
+    engine, *_ = zfunc.initialize(model=_model(), config={
+        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": ga, "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.1, "weight_decay": 0.0}}})
+    params = dict(engine.module.named_parameters())
+    out: dict = {"before": {n: zfunc.utils.safe_get_full_fp32_param(p) for n, p in params.items()}}
+    for m in range(ga):
+        engine.backward(engine(_batch(rank, m)).square().mean())
+        if m == ga - 1:
+            out["grad"] = {n: zfunc.utils.safe_get_full_grad(p) for n, p in params.items()}
+            out["local grad"] = {n: zfunc.utils.safe_get_local_grad(p) for n, p in params.items()}
+        engine.step()
+    out["after"] = {n: zfunc.utils.safe_get_full_fp32_param(p) for n, p in params.items()}
+    out["local"] = {n: zfunc.utils.safe_get_local_fp32_param(p) for n, p in params.items()}
+    out["moments"] = {n: (zfunc.utils.safe_get_full_optimizer_state(p, "exp_avg"),
+                          zfunc.utils.safe_get_full_optimizer_state(p, "exp_avg_sq")) for n, p in params.items()}
+    out["grad after step"] = zfunc.utils.safe_get_full_grad(params["0.weight"])
+    zfunc.utils.safe_set_full_fp32_param(params["2.bias"], torch.tensor([1.0, 2.0, 3.0]))
+    out["set"] = zfunc.full_params(engine.state)["2.bias"]
+    with torch.no_grad():  # the forward sees the new bias: tanh(b0) @ W2.T + (1, 2, 3)
+        full = zfunc.full_params(engine.state)
+        expected = torch.tanh(full["0.bias"]) @ full["2.weight"].T + torch.tensor([1.0, 2.0, 3.0])
+        out["forward after set"] = bool(torch.allclose(engine(torch.zeros(1, 5))[0], expected, atol=1e-6))
+    with zfunc.zero.GatheredParameters(list(params.values()), modifier_rank=world_size() - 1):
+        out["gathered shapes"] = [tuple(p.shape) for p in params.values()]
+        if rank == world_size() - 1:
+            with torch.no_grad():
+                params["0.bias"].fill_(0.25)
+    out["modified"] = zfunc.full_params(engine.state)["0.bias"]
+    out["empty outside"] = all(p.numel() == 0 for p in params.values()) if stage == 3 else True
+    return out
+
+
+def world_size() -> int:
+    return zfunc.comm.world().size
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_the_accessors_read_and_write_what_torch_computes(world):
+    for stage in (0, 1, 2, 3):
+        for ga in (1, 2):
+            grads, after, moments = _reference(world, ga)
+            before = dict(_model().named_parameters())
+            outs = run_ranks(_accessors, world, stage, ga)
+            for rank, out in enumerate(outs):
+                where = f"world {world} stage {stage} ga {ga} rank {rank}"
+                assert all(torch.equal(out["before"][n], before[n].detach()) for n in before), where
+                assert all((out["grad"][n] - grads[n]).abs().max() <= 1e-6 for n in grads), where
+                assert all((out["after"][n] - after[n]).abs().max() <= 1e-6 for n in after), where
+                for n, (mu, nu) in moments.items():
+                    assert (out["moments"][n][0] - mu).abs().max() <= 1e-6, where
+                    assert (out["moments"][n][1] - nu).abs().max() <= 1e-9, where
+                assert out["grad after step"] is None, where  # released with the step, as set_to_none
+                assert out["set"].tolist() == [1.0, 2.0, 3.0] and out["forward after set"], where
+                assert torch.equal(out["modified"], torch.full((7,), 0.25)), where
+                assert out["gathered shapes"] == [(7, 5), (7,), (3, 7), (3,)] and out["empty outside"], where
+            for n in after:  # every rank's local part, in rank order, is the whole parameter
+                local = torch.cat([o["local"][n] for o in outs]) if stage else outs[0]["local"][n]
+                assert torch.equal(local, outs[0]["after"][n].reshape(-1)), (world, stage, n)
+                g = torch.cat([o["local grad"][n] for o in outs]) if stage else outs[0]["local grad"][n]
+                assert torch.equal(g, outs[0]["grad"][n].reshape(-1)), (world, stage, n)
+
+
+def test_an_accessor_given_another_tensor_says_what_to_pass():
+    with pytest.raises(ValueError, match="not a parameter of a live zfunc engine's module"):
+        zfunc.utils.safe_get_full_fp32_param(torch.zeros(2))
+    engine, *_ = zfunc.initialize(model=_model(), config={"train_batch_size": 1})
+    with pytest.raises(ValueError, match="'momentum' is not a moment of adam "):
+        zfunc.utils.safe_get_full_optimizer_state(engine.module[0].weight, "momentum")
