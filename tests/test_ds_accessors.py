@@ -102,3 +102,17 @@ def test_an_accessor_given_another_tensor_says_what_to_pass():
     engine, *_ = zfunc.initialize(model=_model(), config={"train_batch_size": 1})
     with pytest.raises(ValueError, match="'momentum' is not a moment of adam "):
         zfunc.utils.safe_get_full_optimizer_state(engine.module[0].weight, "momentum")
+
+
+def test_deepspeeds_moe_group_splitter_passes_dense_groups_through():
+    from zfunc.moe.utils import split_params_into_different_moe_groups_for_optimizer as split
+
+    model = _model()
+    groups = split([{"params": list(model[0].parameters()), "lr": 0.05}, {"params": model[2].parameters()}])
+    assert [len(g["params"]) for g in groups] == [2, 2] and groups[0]["lr"] == 0.05
+    engine, *_ = zfunc.initialize(model=model, model_parameters=groups, config={
+        "train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}})
+    assert [g["lr"] for g in engine.optimizer.param_groups] == [0.05, 0.1]
+    model[2].weight.allreduce = False  # DeepSpeed's mark of an expert parameter
+    with pytest.raises(zfunc.ConfigError, match=r"param_groups\[0\]: parameters \[0\] are experts'"):
+        split({"params": model[2].parameters()})

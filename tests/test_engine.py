@@ -277,7 +277,8 @@ def test_harmless_keys_give_one_warning_and_the_rest_are_refused():
         ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer: needs stage"),
         ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
         ({"prescale_gradients": True}, "prescale_gradients"),
-        ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op"),
+        ({"gradient_allreduce_op": "max"}, "gradient_allreduce_op"),
+        ({"managed_gradient_accumulation": "no"}, "managed_gradient_accumulation"),
         ({"bf16": {"enabled": True, "check_grad_overflow": False}}, "bf16.check_grad_overflow"),
         ({"bf16": {"enabled": True, "check_grad_overflow": "yes"}}, "bf16.check_grad_overflow"),
         ({"fp16": {"enabled": True, "consecutive_hysteresis": 1}}, "fp16.consecutive_hysteresis"),
@@ -377,3 +378,49 @@ def test_the_engine_is_a_module_wrapping_the_users_and_destroy_lets_it_go(stage)
     assert hooks_before == 0 and hooks_after == (4 if stage == 3 else 0)
     with pytest.raises(RuntimeError, match=r"destroy\(\) was called"):
         engine(torch.randn(4, 3))
+
+
+def _sgd_engine_run(rank: int, extra: dict, backwards: int) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    engine, *_ = zfunc.initialize(model=nn.Linear(3, 2), config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        **extra})
+    for step in range(2):
+        for micro in range(backwards):
+            x = torch.randn(2, 3, generator=torch.Generator().manual_seed(100 * step + 10 * micro + rank))
+            engine.backward(engine(x).square().mean())
+        engine.step()
+    return [t.clone() for t in zfunc.full_params(engine.state).values()], engine.global_steps, engine.global_samples
+
+
+def _sgd_reference(world: int, backwards: int, rank_reduce: str) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        opt.zero_grad()
+        for rank in range(world):
+            for micro in range(backwards):
+                x = torch.randn(2, 3, generator=torch.Generator().manual_seed(100 * step + 10 * micro + rank))
+                (model(x).square().mean() / (world if rank_reduce == "mean" else 1)).backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def test_unmanaged_accumulation_and_a_summing_reduce_are_deepspeeds():
+    """managed_gradient_accumulation false: each step() applies the sum of the backwards since the
+    last (each scaled by 1/gradient_accumulation_steps, here 1), however many; gradient_allreduce_op
+    "sum": summed over ranks instead of averaged (DeepSpeed's documented semantics)."""
+    for world in (1, 2, 3):
+        for stage in (0, 1, 2, 3):
+            for op in ("mean", "sum"):
+                extra = {"managed_gradient_accumulation": False, "gradient_allreduce_op": op,
+                         "zero_optimization": {"stage": stage}}
+                want = _sgd_reference(world, 3, op)
+                for got, steps, samples in run_ranks(_sgd_engine_run, world, extra, 3):
+                    assert max((a - b).abs().max().item() for a, b in zip(got, want)) <= 1e-6, (world, stage, op)
+                    assert steps == 2 and samples == 2 * 3 * 2 * world
+    engine, *_ = zfunc.initialize(model=nn.Linear(3, 2), config={"train_batch_size": 2,
+                                                                  "managed_gradient_accumulation": False})
+    with pytest.raises(zfunc.ConfigError, match="every step\\(\\) is the boundary"):
+        engine.set_gradient_accumulation_boundary(True)

@@ -19,6 +19,7 @@ import sys
 
 from zfunc._tree import tree as tree
 from zfunc.autograd.forward_gather import settle as settle
+from zfunc.compat import moe as moe
 from zfunc.compat import utils as utils
 from zfunc.compat import zero as zero
 from zfunc.compat.engine import Engine as Engine
@@ -72,6 +73,8 @@ sys.modules[__name__ + ".comm"] = comm
 sys.modules[__name__ + ".schedules"] = schedules
 sys.modules[__name__ + ".zero"] = zero
 sys.modules[__name__ + ".utils"] = utils
+sys.modules[__name__ + ".moe"] = moe
+sys.modules[__name__ + ".moe.utils"] = moe.utils
 
 __version__ = "0.1.0"
 
@@ -115,6 +118,7 @@ __all__ = [
     "load",
     "memory_plan",
     "memory_report",
+    "moe",
     "save",
     "schedules",
     "set_hyperparams",

@@ -537,7 +537,7 @@ class BoundModel:
                 state.binding.unit_order = list(self.gatherer.order)  # the next forward's prefetch hint
         for name in self.buffers:  # a buffer the module reassigned (not updated in place)
             self.buffers[name] = tensors[name]
-        exact = state.cfg.grad_accum * state.group.size == 1 and state.cfg.loss_scale is None
+        exact = bool(cotangent_factor(state) == 1) and state.cfg.loss_scale is None
         # From here the call's graph holds the call (its outputs' nodes), the bound model does not
         call, self.call, self.gatherer, self.units = self.call, None, None, None
         scaled, count = scale_tree(out, cotangent_factor(state), exact, call)
@@ -559,7 +559,8 @@ def _rebuilt(module: torch.nn.Module, layout: Layout, stage: int, units: Sequenc
 
 
 def cotangent_factor(state: TrainState) -> torch.Tensor:
-    """``loss_scale / (grad_accum * world)``: what a model-output cotangent is multiplied by.
+    """``loss_scale / (grad_accum * world)``: what a model-output cotangent is multiplied by
+    (``world`` is 1 with ``Config.grad_reduce="sum"``).
 
     Examples:
         >>> import torch, zfunc
@@ -567,7 +568,8 @@ def cotangent_factor(state: TrainState) -> torch.Tensor:
         >>> cotangent_factor(state).item()
         0.25
     """
-    return state.scaler.scale / (state.cfg.grad_accum * state.group.size)
+    ranks = state.group.size if state.cfg.grad_reduce == "mean" else 1
+    return state.scaler.scale / (state.cfg.grad_accum * ranks)
 
 
 def _cast_floats(x: Any, dtype: torch.dtype) -> Any:

@@ -27,7 +27,7 @@ from zfunc.errors import ConfigError
 from zfunc.core.optim import AdagradConfig, AdamConfig, LionConfig, SGDConfig
 from zfunc.core.scaler import FLOAT32_MAX, DynamicLossScale
 
-__all__ = ["translate", "BatchSizes", "batch_sizes"]
+__all__ = ["translate", "read_config", "BatchSizes", "batch_sizes"]
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "torch.float32": torch.float32,
            "fp16": torch.float16, "float16": torch.float16, "half": torch.float16, "torch.float16": torch.float16,
@@ -38,7 +38,7 @@ _HARMLESS = {"steps_per_print", "wall_clock_breakdown", "zero_allow_untested_opt
              "timers", "checkpoint", "zero_force_ds_cpu_optimizer", "activation_checkpointing"}
 # Keys that change the numbers: accepted at the value that matches zfunc, refused otherwise.
 _NUMERIC = {"gradient_predivide_factor": (1, 1.0), "prescale_gradients": (False,),
-            "gradient_allreduce_op": ("mean", "avg"), "sparse_gradients": (False,)}
+            "sparse_gradients": (False,)}
 _ZERO_HANDLED = {"stage", "stage3_param_persistence_threshold", "mics_shard_size", "zero_hpz_partition_size"}
 # What zfunc reads (or knowingly treats as always on) in each precision section.
 _SECTION_KEYS = {
@@ -176,7 +176,8 @@ def _refuse_unknown(ds: Mapping[str, Any]) -> None:
     """Every key zfunc does not honour, or honours only at some values, is an error naming it."""
     known = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
              "gradient_clipping", "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "torch_autocast",
-             "zero_optimization", "data_types", "communication_data_type", *_HARMLESS, *_NUMERIC}
+             "zero_optimization", "data_types", "communication_data_type", "gradient_allreduce_op",
+             "managed_gradient_accumulation", *_HARMLESS, *_NUMERIC}
     for key in ds:
         if key not in known:
             raise ConfigError(f"{key}: zfunc does not implement this DeepSpeed key (or it is misspelt), and it may "
@@ -316,6 +317,25 @@ def _shard_size(zero: Mapping[str, Any], stage: int) -> int | None:
     return k
 
 
+def _reduce_op(op: Any) -> str:
+    """DeepSpeed's ``gradient_allreduce_op`` as `zfunc.Config.grad_reduce`."""
+    if op in ("mean", "avg"):
+        return "mean"
+    if op == "sum":
+        return "sum"
+    raise _err("gradient_allreduce_op", '"avg", "mean" or "sum"', op)
+
+
+def read_config(ds: Mapping[str, Any] | str | os.PathLike) -> Mapping[str, Any]:
+    """A DeepSpeed config as a dict (read from a JSON path)."""
+    if isinstance(ds, (str, os.PathLike)):
+        with open(ds) as f:
+            ds = json.load(f)
+    if not isinstance(ds, Mapping):
+        raise ConfigError(f"config: expected a dict or a JSON file path, got {type(ds).__name__}")
+    return ds
+
+
 def translate(ds: Mapping[str, Any] | str | os.PathLike,
               world_size: int = 1) -> tuple[dict[str, Any], BatchSizes]:
     """The `zfunc.Config` fields and the batch sizes of a DeepSpeed config (a dict or a JSON path).
@@ -329,11 +349,7 @@ def translate(ds: Mapping[str, Any] | str | os.PathLike,
         >>> fields["stage"], fields["grad_accum"], fields["precision"], fields["clip"], sizes.micro_batch_size
         (2, 2, 'bf16', 1.0, 8)
     """
-    if isinstance(ds, (str, os.PathLike)):
-        with open(ds) as f:
-            ds = json.load(f)
-    if not isinstance(ds, Mapping):
-        raise ConfigError(f"config: expected a dict or a JSON file path, got {type(ds).__name__}")
+    ds = read_config(ds)
     _refuse_unknown(ds)
     zero = _section(ds, "zero_optimization")
     offload, pin = _offload(zero)  # checked with the other keys, before anything is warned about
@@ -348,6 +364,8 @@ def translate(ds: Mapping[str, Any] | str | os.PathLike,
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise _err("world_size", "a positive integer", world_size)
     sizes = batch_sizes(ds, world_size)
+    if not isinstance(ds.get("managed_gradient_accumulation", True), bool):
+        raise _err("managed_gradient_accumulation", "true or false", ds["managed_gradient_accumulation"])
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
         raise _err("zero_optimization.stage", "one of 0, 1, 2, 3", stage)
@@ -404,5 +422,6 @@ def translate(ds: Mapping[str, Any] | str | os.PathLike,
                   grad_accum_dtype=accum,
                   comm_dtype=_dtype(comm_dtype, "communication_data_type") if comm_dtype else None,
                   autocast=autocast, lr_schedule=_scheduler(ds, optimizer.lr), persist_threshold=persist,
-                  shard_size=shard_size, offload_optimizer=offload, offload_pin_memory=pin)
+                  shard_size=shard_size, offload_optimizer=offload, offload_pin_memory=pin,
+                  grad_reduce=_reduce_op(ds.get("gradient_allreduce_op", "mean")))
     return fields, sizes

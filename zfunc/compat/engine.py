@@ -28,7 +28,7 @@ from zfunc.io.checkpoint import exists, load, read_extra, save
 from zfunc.io.deepspeed_checkpoint import is_deepspeed_checkpoint, read_deepspeed
 from zfunc.core.config import Config
 from zfunc.core.create import full_params, init
-from zfunc.compat.deepspeed_config import BatchSizes, translate
+from zfunc.compat.deepspeed_config import BatchSizes, read_config, translate
 from zfunc.errors import ConfigError
 from zfunc.core.optim import OPTIMIZERS
 from zfunc.autograd.forward_gather import settle
@@ -64,8 +64,13 @@ class Engine(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, cfg: Config, *, group: comm.Group | None = None,
                  batch: BatchSizes | None = None, optimizer_groups: list[dict[str, Any]] | None = None,
-                 lr_scheduler: Any = None):
+                 lr_scheduler: Any = None, managed: bool = True):
         super().__init__()
+        # DeepSpeed's managed_gradient_accumulation: false makes every step() the boundary, after
+        # however many backwards the caller ran (the caller owns the boundary).
+        self.managed = managed
+        self._stepping = False
+        self._backwards = 0
         self.module = model
         self.config = cfg
         self.micro_steps = 0
@@ -171,6 +176,7 @@ class Engine(torch.nn.Module):
         ``1 / grad_accum`` for this backward.
         """
         self._check_scalar(loss, "backward")
+        self._backwards += 1
         ga = self.config.grad_accum
         seed = None if scale_wrt_gas else torch.full_like(loss, float(ga))
         loss.backward(seed, retain_graph=retain_graph)
@@ -191,13 +197,19 @@ class Engine(torch.nn.Module):
 
     # -- the step ----------------------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether the next `step` updates: every ``grad_accum``-th call, unless overridden."""
+        """Whether the next `step` updates: every ``grad_accum``-th call, unless overridden.
+        With ``managed_gradient_accumulation: false``, True only while `step` runs."""
+        if not self.managed:
+            return self._stepping
         if self._boundary is not None:
             return self._boundary
         return (self.micro_steps + 1) % self.config.grad_accum == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Override the boundary from now on (sticky, as in DeepSpeed)."""
+        if not self.managed:
+            raise ConfigError("set_gradient_accumulation_boundary: with managed_gradient_accumulation false every "
+                              "step() is the boundary; call step() when the accumulation ends instead")
         self._boundary = bool(is_boundary)
 
     def step(self, lr_kwargs: Mapping[str, Any] | None = None) -> None:
@@ -209,6 +221,13 @@ class Engine(torch.nn.Module):
             raise RuntimeError(
                 "engine.step(): no backward reached the model since the last step(); call engine.backward(loss) "
                 "(or loss.backward()) on a loss computed with engine(...) first. Nothing was changed")
+        self._stepping = True
+        try:
+            self._step(lr_kwargs)
+        finally:
+            self._stepping = False
+
+    def _step(self, lr_kwargs: Mapping[str, Any] | None) -> None:
         boundary = self.is_gradient_accumulation_boundary()
         if self._fold is not None and self._fold.started and not boundary:
             raise RuntimeError(
@@ -218,12 +237,18 @@ class Engine(torch.nn.Module):
         self._backward_seen = False
         st = record_micro(self._state, self._state.grads, loss=self._pending_loss, fold=self._fold)
         self._pending_loss, self._fold = None, None
+        backwards, self._backwards = max(self._backwards, 1), 0
+        if not self.managed:  # the step applies what the backwards accumulated (each 1/grad_accum), as DeepSpeed
+            st = st.replace(micro_step=torch.full_like(st.micro_step, self.config.grad_accum))
         if boundary:
             # Gathered before step() returns (as DeepSpeed's): the module's parameters are views
             # of the compute buffer, readable by the user at any moment (no forward to gather them).
             st = settle(apply_step(self._with_group_edits(st), donate=True))
             point_sinks(self._sinks, st, st.grads)  # released: the step's gradient buffer is freed
-            self.global_samples += self._batch.train_batch_size if self._batch else 0
+            if self._batch and self.managed:
+                self.global_samples += self._batch.train_batch_size
+            elif self._batch:  # the micro-batches actually run since the last step
+                self.global_samples += self._batch.train_batch_size // self.config.grad_accum * backwards
         self._state = st  # the same parameter buffers: the module's views stay valid
         if boundary:
             self._share_module_params()  # the buffers may be new tensors (rank 0's)
@@ -496,12 +521,14 @@ def initialize(model: torch.nn.Module, config: Mapping[str, Any] | str | os.Path
     if kwargs:
         raise TypeError(f"initialize: unexpected arguments {sorted(kwargs)}")
     group = group or comm.world()
-    batch = None
+    batch, managed = None, True
     if isinstance(config, Config):
         cfg = config
     else:
-        fields, batch = translate(config or {"train_micro_batch_size_per_gpu": 1}, world_size=group.size)
+        ds = read_config(config or {"train_micro_batch_size_per_gpu": 1})
+        fields, batch = translate(ds, world_size=group.size)
         cfg = Config(**fields)
+        managed = ds.get("managed_gradient_accumulation", True)  # an engine setting (checked by translate)
     if optimizer is not None and not isinstance(optimizer, (*OPTIMIZERS, torch.optim.Optimizer)):
         raise ConfigError(f"optimizer: expected None, a zfunc optimizer (zfunc.adamw(...), sgd, lion, adagrad), or a "
                           f"torch.optim.Adam/AdamW/SGD/Adagrad, got {type(optimizer).__name__}")
@@ -510,7 +537,8 @@ def initialize(model: torch.nn.Module, config: Mapping[str, Any] | str | os.Path
         cfg = cfg.replace(optimizer=plan.optimizer, param_groups=plan.groups, freeze=plan.freeze)
     elif isinstance(optimizer, OPTIMIZERS):
         cfg = cfg.replace(optimizer=optimizer)
-    engine = Engine(model, cfg, group=group, batch=batch, optimizer_groups=plan.dicts, lr_scheduler=lr_scheduler)
+    engine = Engine(model, cfg, group=group, batch=batch, optimizer_groups=plan.dicts, lr_scheduler=lr_scheduler,
+                    managed=managed)
     return engine, engine.optimizer, None, engine.lr_scheduler
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from zfunc.compat.deepspeed_config import translate
+from zfunc.compat.deepspeed_config import read_config, translate
 from zfunc.errors import ConfigError, check, is_finite_number, is_positive_int
 from zfunc.core.optim import OPTIMIZERS, AdamConfig, ParamGroup, adam, adamw
 from zfunc.core.scaler import FLOAT32_MAX, DynamicLossScale
@@ -46,10 +46,10 @@ class Config:
         lr_schedule: callable ``step -> lr`` (see `zfunc.schedules`), or ``None`` for a constant.
         units: stage 3: module names or classes gathered as one unit each (default: the
             elements of the model's ``nn.ModuleList``s, e.g. its transformer blocks). Stages
-            1-2: given, the step's all-gather of the updated parameters runs unit by unit and
-            overlaps the next forward, each unit waited for when its module starts
-            (`zfunc.autograd.forward_gather`); a unit's parameters must then be used inside its module's forward
-            only, as at stage 3. ``None`` at stages 1-2: gathered before `zfunc.apply_step` returns.
+            1-2: given, the next forward gathers the step's updated parameters unit by unit, each
+            unit waited for when its module starts (`zfunc.autograd.forward_gather`); a unit's
+            parameters must then be used inside its module's forward only, as at stage 3.
+            ``None`` at stages 1-2: gathered before `zfunc.apply_step` returns.
         param_groups: `zfunc.ParamGroup`s giving some parameters their own learning rate, weight
             decay, betas or eps (group ``i + 1``; parameters in none are group 0, the
             optimizer's own).
@@ -77,6 +77,9 @@ class Config:
             prefetch); each costs one unit of memory. 0 gathers a unit when its module starts.
         offload_pin_memory: page-lock the host arena when the compute device is CUDA (faster,
             asynchronous copies; DeepSpeed's ``offload_optimizer.pin_memory``).
+        grad_reduce: ``"mean"``: the gradient is averaged over the data-parallel ranks (DDP's,
+            FSDP2's and DeepSpeed's default); ``"sum"``: summed over them (DeepSpeed's
+            ``gradient_allreduce_op: "sum"``). Micro-batches are averaged either way.
 
     Examples:
         >>> import zfunc
@@ -109,6 +112,7 @@ class Config:
     offload_pin_memory: bool = True
     bucket_mb: float = 25.0
     prefetch: int = 1
+    grad_reduce: str = "mean"
 
     def __post_init__(self) -> None:
         check(self.stage in (0, 1, 2, 3) and not isinstance(self.stage, bool),
@@ -139,6 +143,7 @@ class Config:
               self.bucket_mb)
         check(isinstance(self.prefetch, int) and not isinstance(self.prefetch, bool) and self.prefetch >= 0,
               "prefetch", "an integer >= 0 (units gathered ahead)", self.prefetch)
+        check(self.grad_reduce in ("mean", "sum"), "grad_reduce", '"mean" or "sum"', self.grad_reduce)
         check(self.offload_optimizer in (None, "cpu"), "offload_optimizer",
               'None or "cpu" (host memory; NVMe is not supported)', self.offload_optimizer)
         check(isinstance(self.offload_pin_memory, bool), "offload_pin_memory", "True or False", self.offload_pin_memory)
@@ -208,7 +213,12 @@ class Config:
             >>> cfg.stage, cfg.grad_accum, cfg.precision, cfg.clip, cfg.optimizer.decoupled
             (2, 2, 'bf16', 1.0, True)
         """
+        ds = read_config(ds)
         fields, _ = translate(ds, world_size)
+        if ds.get("managed_gradient_accumulation") is False:
+            raise ConfigError("managed_gradient_accumulation: false is an engine setting (zfunc.initialize); with "
+                              "the functional API the caller owns the boundary already: call apply_step when the "
+                              "accumulation ends (it averages the micro-batches run)")
         return cls(**fields)
 
     def replace(self, **changes: Any) -> Config:

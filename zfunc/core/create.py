@@ -54,7 +54,7 @@ def _fingerprint(cfg: Config) -> dict[str, str]:
     """The `Config` fields that must agree across ranks (anything that changes collectives or math)."""
     fields = ("stage", "precision", "grad_accum", "clip", "loss_scale", "master_dtype", "moment_dtype",
               "grad_accum_dtype", "comm_dtype", "autocast", "units", "persist_threshold", "align", "optimizer",
-              "shard_size", "bucket_mb", "prefetch", "offload_optimizer")
+              "shard_size", "bucket_mb", "prefetch", "offload_optimizer", "grad_reduce")
     return {f: repr(getattr(cfg, f)) for f in fields}
 
 
