@@ -424,3 +424,37 @@ def test_unmanaged_accumulation_and_a_summing_reduce_are_deepspeeds():
                                                                   "managed_gradient_accumulation": False})
     with pytest.raises(zfunc.ConfigError, match="every step\\(\\) is the boundary"):
         engine.set_gradient_accumulation_boundary(True)
+
+
+def _coalesced_run(rank: int, stage: int, coalesce: bool) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    engine, *_ = zfunc.initialize(model=nn.Linear(3, 2), config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": stage}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    for step in range(2):
+        xs = [torch.randn(2, 3, generator=torch.Generator().manual_seed(100 * step + 10 * m + rank)) for m in range(2)]
+        if coalesce:  # one step over the block's backwards
+            with engine.coalesce_grad_reduction():
+                for x in xs:
+                    engine.backward(engine(x).square().mean())
+                with pytest.raises(RuntimeError, match="inside coalesce_grad_reduction"):
+                    engine.step()
+            engine.step()
+        else:  # DeepSpeed's usual loop: step() after each backward, applied at the boundary
+            for x in xs:
+                engine.backward(engine(x).square().mean())
+                engine.step()
+    return [t.clone() for t in zfunc.full_params(engine.state).values()] + [torch.tensor(engine.global_steps)]
+
+
+def test_coalesce_grad_reduction_is_one_step_over_the_blocks_backwards():
+    for world in (1, 2):
+        for stage in (0, 1, 2, 3):
+            plain = run_ranks(_coalesced_run, world, stage, False)
+            for a, b in zip(plain, run_ranks(_coalesced_run, world, stage, True)):
+                assert all(torch.allclose(x, y, atol=1e-7) for x, y in zip(a, b)), (world, stage)
+    engine, *_ = zfunc.initialize(model=nn.Linear(3, 2), config={"train_batch_size": 2,
+                                                                  "managed_gradient_accumulation": False})
+    with pytest.raises(zfunc.ConfigError, match="coalesce_grad_reduction: with managed_gradient_accumulation false"):
+        with engine.coalesce_grad_reduction():
+            pass

@@ -14,9 +14,10 @@ module's own parameter storage is freed, as DeepSpeed's ZeRO-3 does).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -71,6 +72,8 @@ class Engine(torch.nn.Module):
         self.managed = managed
         self._stepping = False
         self._backwards = 0
+        self._coalescing = False  # inside coalesce_grad_reduction()
+        self._coalesced = False  # the next step() ends a coalesced block
         self.module = model
         self.config = cfg
         self.micro_steps = 0
@@ -201,6 +204,10 @@ class Engine(torch.nn.Module):
         With ``managed_gradient_accumulation: false``, True only while `step` runs."""
         if not self.managed:
             return self._stepping
+        if self._coalescing:
+            return False
+        if self._coalesced:
+            return True
         if self._boundary is not None:
             return self._boundary
         return (self.micro_steps + 1) % self.config.grad_accum == 0
@@ -212,8 +219,42 @@ class Engine(torch.nn.Module):
                               "step() is the boundary; call step() when the accumulation ends instead")
         self._boundary = bool(is_boundary)
 
+    @contextlib.contextmanager
+    def coalesce_grad_reduction(self) -> Iterator[None]:
+        """DeepSpeed's ``engine.coalesce_grad_reduction()``: the backwards inside the block are one
+        optimizer step; the ``step()`` after the block applies what they accumulated (each
+        backward scaled by 1/``gradient_accumulation_steps``, as always). ``step()`` inside the
+        block raises; so do nesting and ``managed_gradient_accumulation: false``. DeepSpeed
+        defers the gradient reduction to the block's end; zfunc reduces as usual (at stages 0-1
+        once, at the step; at stages 2-3 per backward), which gives the same numbers. Unlike
+        DeepSpeed, stage 0 works too.
+
+        Examples:
+            >>> import torch, zfunc
+            >>> engine, *_ = zfunc.initialize(model=torch.nn.Linear(2, 1), config={"train_batch_size": 1})
+            >>> with engine.coalesce_grad_reduction():
+            ...     for _ in range(3):
+            ...         _ = engine.backward(engine(torch.ones(1, 2)).sum())
+            >>> engine.step()
+            >>> engine.global_steps
+            1
+        """
+        if not self.managed:
+            raise ConfigError("coalesce_grad_reduction: with managed_gradient_accumulation false the caller owns the "
+                              "boundary already; call step() after the backwards instead")
+        if self._coalescing:
+            raise RuntimeError("coalesce_grad_reduction: already inside one; blocks do not nest")
+        self._coalescing = True
+        try:
+            yield
+        finally:
+            self._coalescing = False
+        self._coalesced = True  # the next step() is the boundary of this block
+
     def step(self, lr_kwargs: Mapping[str, Any] | None = None) -> None:
         """End a micro-step; at the accumulation boundary apply the optimizer step."""
+        if self._coalescing:
+            raise RuntimeError("engine.step(): inside coalesce_grad_reduction(); call step() after the block")
         if lr_kwargs and self.config.lr_schedule is not None:
             raise ConfigError(f"engine.step(lr_kwargs={lr_kwargs!r}): the config's scheduler follows the "
                               "applied-step count in the state and takes no arguments")
@@ -238,7 +279,8 @@ class Engine(torch.nn.Module):
         st = record_micro(self._state, self._state.grads, loss=self._pending_loss, fold=self._fold)
         self._pending_loss, self._fold = None, None
         backwards, self._backwards = max(self._backwards, 1), 0
-        if not self.managed:  # the step applies what the backwards accumulated (each 1/grad_accum), as DeepSpeed
+        coalesced, self._coalesced = self._coalesced, False
+        if not self.managed or coalesced:  # the step applies what the backwards accumulated (each 1/grad_accum)
             st = st.replace(micro_step=torch.full_like(st.micro_step, self.config.grad_accum))
         if boundary:
             # Gathered before step() returns (as DeepSpeed's): the module's parameters are views
