@@ -23,9 +23,9 @@ from zfunc.compat import moe as moe
 from zfunc.compat import utils as utils
 from zfunc.compat import zero as zero
 from zfunc.compat.engine import Engine as Engine
-from zfunc.compat.engine import add_config_arguments as add_config_arguments
-from zfunc.compat.engine import init_distributed as init_distributed
-from zfunc.compat.engine import initialize as initialize
+from zfunc.compat.initialize import add_config_arguments as add_config_arguments
+from zfunc.compat.initialize import init_distributed as init_distributed
+from zfunc.compat.initialize import initialize as initialize
 from zfunc.core import schedules as schedules
 from zfunc.core.backward import accumulate as accumulate
 from zfunc.core.backward import backward_step as backward_step

@@ -1,0 +1,101 @@
+"""``deepspeed.initialize`` and its companions: a DeepSpeed config (or a `zfunc.Config`) and a
+model become a `zfunc.Engine`; ``init_distributed`` and ``add_config_arguments`` as DeepSpeed's."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from zfunc.compat.deepspeed_config import read_config, translate
+from zfunc.compat.engine import Engine
+from zfunc.compat.optimizer_view import plan_groups
+from zfunc.core.config import Config
+from zfunc.core.optim import OPTIMIZERS
+from zfunc.distributed import comm
+from zfunc.errors import ConfigError
+
+__all__ = ["initialize", "init_distributed", "add_config_arguments"]
+
+
+def initialize(model: torch.nn.Module, config: Mapping[str, Any] | str | os.PathLike | Config | None = None,
+               model_parameters: Iterable[torch.nn.Parameter] | None = None, optimizer: Any = None,
+               lr_scheduler: Any = None, *, group: comm.Group | None = None,
+               **kwargs: Any) -> tuple[Engine, Any, None, Any]:
+    """``deepspeed.initialize`` for zfunc: ``(engine, optimizer, None, lr_scheduler)``.
+
+    Args:
+        model: the module.
+        config: a DeepSpeed config dict or JSON path (or a `zfunc.Config`).
+        model_parameters: the parameters to train (the module's others stay fixed), or parameter
+            groups: dicts with ``params`` and any of ``lr``, ``weight_decay``, ``betas``, ``eps``
+            (other values come from the config's optimizer).
+        optimizer: ``None`` (the config's), a `zfunc.adamw(...)`, or a torch Adam/AdamW: each of
+            its parameter groups becomes a zfunc group with that group's hyperparameters; a group
+            key zfunc cannot honour is a `ConfigError`.
+        lr_scheduler: ``None`` (the config's ``scheduler``, if any), a torch ``LRScheduler``
+            (built on ``optimizer``), or a callable taking the returned optimizer and returning
+            one; it is stepped after each applied optimizer step, as DeepSpeed does.
+        group: the ranks (default: the world).
+
+    Examples:
+        >>> import torch, zfunc
+        >>> engine, optimizer, _, scheduler = zfunc.initialize(
+        ...     model=torch.nn.Linear(3, 1), config={"train_micro_batch_size_per_gpu": 2})
+        >>> engine.config.stage, optimizer.param_groups[0]["lr"], scheduler
+        (0, 0.001, None)
+    """
+    config = kwargs.pop("config_params", config)
+    if kwargs:
+        raise TypeError(f"initialize: unexpected arguments {sorted(kwargs)}")
+    group = group or comm.world()
+    batch, managed = None, True
+    if isinstance(config, Config):
+        cfg = config
+    else:
+        ds = read_config(config or {"train_micro_batch_size_per_gpu": 1})
+        fields, batch = translate(ds, world_size=group.size)
+        cfg = Config(**fields)
+        managed = ds.get("managed_gradient_accumulation", True)  # an engine setting (checked by translate)
+    if optimizer is not None and not isinstance(optimizer, (*OPTIMIZERS, torch.optim.Optimizer)):
+        raise ConfigError(f"optimizer: expected None, a zfunc optimizer (zfunc.adamw(...), sgd, lion, adagrad), or a "
+                          f"torch.optim.Adam/AdamW/SGD/Adagrad, got {type(optimizer).__name__}")
+    plan = plan_groups(model, cfg.optimizer, optimizer=optimizer, model_parameters=model_parameters)
+    if plan.dicts is not None:
+        cfg = cfg.replace(optimizer=plan.optimizer, param_groups=plan.groups, freeze=plan.freeze)
+    elif isinstance(optimizer, OPTIMIZERS):
+        cfg = cfg.replace(optimizer=optimizer)
+    engine = Engine(model, cfg, group=group, batch=batch, optimizer_groups=plan.dicts, lr_scheduler=lr_scheduler,
+                    managed=managed)
+    return engine, engine.optimizer, None, engine.lr_scheduler
+
+
+def init_distributed(dist_backend: str | None = None, **kwargs: Any) -> None:
+    """``deepspeed.init_distributed``: initialise the default process group from the
+    environment (torchrun, the DeepSpeed launcher, Ray Train all set it); never twice.
+
+    Examples:
+        >>> import zfunc
+        >>> zfunc.init_distributed()      # a world of one: nothing to do
+    """
+    del kwargs  # timeouts, ports: taken from the environment by torch
+    comm.init_from_env(dist_backend)
+
+
+def add_config_arguments(parser: Any) -> Any:
+    """``deepspeed.add_config_arguments``: add ``--deepspeed``, ``--deepspeed_config`` and
+    ``--local_rank`` (which the DeepSpeed launcher passes) to an argparse parser.
+
+    Examples:
+        >>> import argparse, zfunc
+        >>> p = zfunc.add_config_arguments(argparse.ArgumentParser())
+        >>> p.parse_args(["--deepspeed_config", "ds.json", "--local_rank=0"]).deepspeed_config
+        'ds.json'
+    """
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed-compatible configuration (zfunc)")
+    group.add_argument("--deepspeed", default=False, action="store_true", help="use the DeepSpeed config")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed JSON config file")
+    group.add_argument("--local_rank", "--local-rank", default=-1, type=int, help="set by launchers")
+    return parser
