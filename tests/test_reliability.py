@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import zfunc
-from tests.helpers import MODELS, bitwise_equal, run_ranks, snapshot, split
+from tests.helpers import MODELS, bitwise_equal, run_ranks, snapshot
 from tests.test_binding import BNNet, bn_batch, bn_loss
 from zfunc.tools.launch import WorldError
 

@@ -357,7 +357,6 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
     buffers = {n: replicated(b) for n, b in buffers_of.items()}
     if weights is not None:
         read_weights(open_weights(weights, weights_map), layout, cfg.stage, pieces, {**frozen, **buffers})
-    del pieces
     params, compute = place_master(master, cfg, layout, mesh)
     opt = cfg.optimizer
     moments = {name: torch.full((params.numel(),), opt.moment_init, dtype=cfg.moment_dtype, device=params.device,
