@@ -57,7 +57,7 @@ class _Place:
             for s in u.slots:
                 if s.name == name:
                     self.unit, self.slot = u, s
-                    self.start = sum(v.padded for v in lay.units[:i])
+                    self.start = lay.full_starts[i]
         if self.slot is not None:
             lo, hi = (0, self.unit.padded) if state.stage == 0 else lay.owned(self.unit)
             self.lo, self.a, self.b = lo, max(lo, self.slot.offset), min(hi, self.slot.offset + self.slot.numel)
@@ -162,9 +162,8 @@ def _grad_arena(engine: Any) -> torch.Tensor | None:
     elif folded:  # stage 1: this rank's reduced shard, still inside the full buffer
         arena = g.narrow(0, *lay.owned_start_len(lay.units[0]))
     else:  # stage 1 before the boundary: the local full buffer, reduce-scattered unit by unit
-        starts = [sum(u.padded for u in lay.units[:i]) for i in range(len(lay.units))]
         arena = torch.cat([comm.reduce_scatter(g.narrow(0, s, u.padded), "sum", st.mesh.shard)
-                           for s, u in zip(starts, lay.units)])
+                           for s, u in zip(lay.full_starts, lay.units)])
     if st.stage > 0 and st.mesh.replicas.size > 1:  # as apply_step: once per step, across replicas
         arena = comm.all_reduce(arena, "sum", st.mesh.replicas)
     return arena.float() / st.scaler.scale.float()

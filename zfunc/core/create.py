@@ -317,8 +317,8 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
 
     # What this rank keeps of each unit's master values (all of it at stage 0), written in place
     master = torch.empty(layout.full_numel if cfg.stage == 0 else layout.arena_numel, dtype=mdt, device=device)
-    starts = [sum(u.padded for u in layout.units[:i]) for i in range(len(layout.units))]
-    pieces = {i: master.narrow(0, starts[i], u.padded) if cfg.stage == 0 else layout.arena_slice(master, u)
+    pieces = {i: master.narrow(0, layout.full_starts[i], u.padded) if cfg.stage == 0
+              else layout.arena_slice(master, u)
               for i, u in enumerate(layout.units)}
 
     def keep(i: int, values: dict[str, torch.Tensor]) -> None:  # one unit's values: rank 0's, sharded

@@ -76,6 +76,11 @@ class Layout:
         """Elements of all units' padded flat buffers together."""
         return sum(u.padded for u in self.units)
 
+    @functools.cached_property
+    def full_starts(self) -> tuple[int, ...]:
+        """Where each unit's padded flat buffer starts when all of them lie back to back (stage 0)."""
+        return tuple(sum(u.padded for u in self.units[:i]) for i in range(len(self.units)))
+
     @property
     def numel(self) -> int:
         """Trainable elements without padding."""
