@@ -34,11 +34,13 @@ from zfunc.core.config import Config as Config
 from zfunc.core.create import full_params as full_params
 from zfunc.core.create import init as init
 from zfunc.core.optim import AdagradConfig as AdagradConfig
+from zfunc.core.optim import MuonConfig as MuonConfig
 from zfunc.core.optim import AdamConfig as AdamConfig
 from zfunc.core.optim import LionConfig as LionConfig
 from zfunc.core.optim import ParamGroup as ParamGroup
 from zfunc.core.optim import SGDConfig as SGDConfig
 from zfunc.core.optim import adagrad as adagrad
+from zfunc.core.optim import muon as muon
 from zfunc.core.optim import adam as adam
 from zfunc.core.optim import adamw as adamw
 from zfunc.core.optim import lion as lion
@@ -46,6 +48,7 @@ from zfunc.core.optim import sgd as sgd
 from zfunc.core.scaler import DynamicLossScale as DynamicLossScale
 from zfunc.core.scaler import ScalerState as ScalerState
 from zfunc.core.state import AdagradState as AdagradState
+from zfunc.core.state import MuonState as MuonState
 from zfunc.core.state import AdamState as AdamState
 from zfunc.core.state import GroupHyper as GroupHyper
 from zfunc.core.state import LionState as LionState
@@ -80,7 +83,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AdagradConfig",
+    "MuonConfig",
     "AdagradState",
+    "MuonState",
     "AdamConfig",
     "AdamState",
     "CheckpointError",
@@ -100,6 +105,7 @@ __all__ = [
     "World",
     "accumulate",
     "adagrad",
+    "muon",
     "adam",
     "add_config_arguments",
     "adamw",

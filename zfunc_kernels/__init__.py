@@ -1,6 +1,8 @@
-"""Fused kernels for zfunc: sharded Adam/AdamW and one-pass overflow detection.
+"""Fused kernels for zfunc: the sharded optimizer passes and one-pass overflow detection.
 
-Two public kernels, each with four implementations of the same math
+Eight public kernels (`fused_adam`, `fused_sgd`, `fused_lion`, `fused_adagrad`,
+`fused_muon_momentum`, `fused_muon_apply`, `accumulate`, `overflow_sumsq`), each with four
+implementations of the same math
 (:mod:`zfunc_kernels._math`, written once, with the 16-bit codecs of
 :mod:`zfunc_kernels._codec`):
 
@@ -21,13 +23,15 @@ import os
 import torch
 
 from zfunc_kernels import _reference
-from zfunc_kernels._records import (AdagradHyper, AdamHyper, AdamVectors, Backend, LionHyper, SGDHyper, SlotVectors,
-                                    StepScalars)
+from zfunc_kernels._records import (AdagradHyper, AdamHyper, AdamVectors, Backend, LionHyper, MuonApplyHyper,
+                                    MuonMomentumHyper, SGDHyper, SlotVectors, StepScalars)
 
 __all__ = [
     "AdagradHyper",
     "AdamHyper",
     "LionHyper",
+    "MuonApplyHyper",
+    "MuonMomentumHyper",
     "SGDHyper",
     "StepScalars",
     "accumulate",
@@ -35,6 +39,8 @@ __all__ = [
     "fused_adagrad",
     "fused_adam",
     "fused_lion",
+    "fused_muon_apply",
+    "fused_muon_momentum",
     "fused_sgd",
     "overflow_sumsq",
 ]
@@ -292,6 +298,44 @@ def fused_adagrad(master: torch.Tensor, grad: torch.Tensor, state_sum: torch.Ten
         ([0.9, 1.1], [4.0, 4.0])
     """
     _fused_slot("adagrad", master, grad, state_sum, scalars, AdagradHyper(*hyper), compute, backend)
+
+
+def fused_muon_momentum(out: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor, scalars: StepScalars,
+                        hyper: MuonMomentumHyper, *, backend: str | None = None) -> None:
+    r"""Muon's momentum (``torch.optim.Muon``) in one pass: ``b = lerp(b, g, 1 - momentum)``, and
+    ``out = lerp(g, b, momentum)`` (nesterov) or ``b``, the matrix Newton-Schulz orthogonalizes.
+
+    ``g`` is the unscaled, clipped gradient; on ``found_inf`` nothing is written. ``scalars.step``
+    is incremented (pass a scratch copy: `fused_muon_apply` advances the real count).
+
+    Examples:
+        >>> import torch, zfunc_kernels
+        >>> u, g, b = torch.zeros(2), torch.tensor([2.0, -2.0]), torch.zeros(2)
+        >>> s = zfunc_kernels.StepScalars(torch.tensor(0), torch.tensor(0.1), torch.tensor(1.0), torch.tensor(1.0),
+        ...                               torch.tensor(0.0))
+        >>> zfunc_kernels.fused_muon_momentum(u, g, b, s, zfunc_kernels.MuonMomentumHyper(momentum=0.5))
+        >>> u.tolist(), b.tolist()
+        ([1.5, -1.5], [1.0, -1.0])
+    """
+    _fused_slot("muon_momentum", out, grad, momentum_buffer, scalars, MuonMomentumHyper(*hyper), None, backend)
+
+
+def fused_muon_apply(master: torch.Tensor, update: torch.Tensor, scalars: StepScalars, hyper: MuonApplyHyper, *,
+                     compute: torch.Tensor | None = None, backend: str | None = None) -> None:
+    r"""Muon's update in one pass: ``p = p (1 - lr wd) - lr o`` with ``o`` the orthogonalized
+    update (already scaled by the matrix's lr adjustment), the compute copy written; skipped on
+    ``found_inf``. Pass ``scalars.inv_scale`` and ``clip_coef`` as 1 (``o`` is not a gradient).
+
+    Examples:
+        >>> import torch, zfunc_kernels
+        >>> p, o = torch.ones(2), torch.tensor([1.0, -1.0])
+        >>> one = torch.tensor(1.0)
+        >>> s = zfunc_kernels.StepScalars(torch.tensor(0), torch.tensor(0.1), one, one, torch.tensor(0.0))
+        >>> zfunc_kernels.fused_muon_apply(p, o, s, zfunc_kernels.MuonApplyHyper(weight_decay=0.0))
+        >>> [round(x, 4) for x in p.tolist()], int(s.step)
+        ([0.9, 1.1], 1)
+    """
+    _fused_slot("muon_apply", master, update, update, scalars, MuonApplyHyper(*hyper), compute, backend)
 
 
 def accumulate(out: torch.Tensor, x: torch.Tensor, *, overwrite: bool = False,

@@ -28,8 +28,7 @@ from zfunc_kernels import _codec, _shared
 from zfunc_kernels._adapt import as_numpy
 from zfunc_kernels._cache import track_shared_math
 from zfunc_kernels._codec import load, quantize, store
-from zfunc_kernels._math import (adagrad_constants, adagrad_element, adam_constants, adam_element, lion_constants,
-                                 lion_element, sgd_constants, sgd_element, square64)
+from zfunc_kernels._math import SLOT_MATH, adam_constants, adam_element, square64
 from zfunc_kernels._records import AdamHyper, AdamVectors, SlotVectors, StepScalars
 
 BLOCK = 1 << 14
@@ -241,8 +240,6 @@ def _slot_kernel(element: Any, constants: Any) -> Any:
     return kernel
 
 
-SLOT_MATH = {"sgd": (sgd_element, sgd_constants), "lion": (lion_element, lion_constants),
-             "adagrad": (adagrad_element, adagrad_constants)}
 _SLOT_KERNELS: dict[str, Any] = {}
 
 

@@ -28,8 +28,7 @@ from numba import cuda
 from zfunc_kernels import _adapt, _shared
 from zfunc_kernels._cache import track_shared_math
 from zfunc_kernels._codec import load, quantize, store
-from zfunc_kernels._math import (adagrad_constants, adagrad_element, adam_constants, adam_element, lion_constants,
-                                 lion_element, sgd_constants, sgd_element, square64)
+from zfunc_kernels._math import SLOT_MATH, adam_constants, adam_element, square64
 from zfunc_kernels._records import AdamHyper, AdamVectors, SlotVectors, StepScalars
 
 SIM = bool(numba.config.ENABLE_CUDASIM)
@@ -131,8 +130,6 @@ def _slot_kernel(element: Any, constants: Any) -> Any:
     return kernel
 
 
-_SLOT_MATH = {"sgd": (sgd_element, sgd_constants), "lion": (lion_element, lion_constants),
-              "adagrad": (adagrad_element, adagrad_constants)}
 _SLOT_KERNELS: dict[str, Any] = {}
 
 
@@ -240,7 +237,7 @@ def fused_slot_update(kind: str, vectors: SlotVectors, scalars: StepScalars, hyp
     _check_device(master)
     kernel = _SLOT_KERNELS.get(kind)
     if kernel is None:
-        kernel = _SLOT_KERNELS[kind] = _slot_kernel(*_SLOT_MATH[kind])
+        kernel = _SLOT_KERNELS[kind] = _slot_kernel(*SLOT_MATH[kind])
     m_, g_, s_, c_ = _arrays(*vectors)
     step_, lr_, inv_, clip_, inf_ = _arrays(*scalars)
     if c_ is None:

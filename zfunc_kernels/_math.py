@@ -275,3 +275,99 @@ def adagrad_element(p: Any, g: Any, s: Any, unused: Any, constants: tuple) -> tu
         d = g + weight_decay * p
     s_new = s + d * d
     return p - clr * (d / (sqrt32(s_new) + eps)), s_new, unused
+
+
+# --------------------------------------------------------------------------- Muon's two element passes
+# Muon (``torch.optim.Muon``) orthogonalizes each matrix's momentum between two element passes:
+# ``muon_momentum`` turns the gradient into the matrix to orthogonalize, ``muon_apply`` applies
+# the orthogonalized update. Both lerps follow torch's CPU lerp (fma, base by ``|weight| < 0.5``).
+
+
+@shared
+def lerp32(a: Any, b: Any, w: Any, w_minus_one: Any, small: Any) -> Any:
+    """``torch.lerp(a, b, w)`` of one float32 element: ``a + w (b - a)`` when ``|w| < 0.5``, else
+    ``b + (w - 1) (b - a)``, each with one rounding (torch's vectorised CPU lerp).
+
+    Examples:
+        >>> f = np.float32
+        >>> float(lerp32(f(1.0), f(3.0), f(0.25), f(-0.75), True)), float(lerp32(f(1.0), f(3.0), f(0.75), f(-0.25), False))
+        (1.5, 2.5)
+    """
+    if small:
+        return fma32(w, b - a, a)
+    return fma32(w_minus_one, b - a, b)
+
+
+@shared
+def muon_momentum_constants(step: int, lr: Any, hyper: tuple) -> tuple:
+    """``(1 - momentum, -momentum, |1 - momentum| < 0.5, momentum, momentum - 1, |momentum| < 0.5,
+    nesterov)`` (float32 where numbers) for :func:`muon_momentum_element`.
+
+    Examples:
+        >>> c = muon_momentum_constants(0, np.float32(0.1), (0.95, 1.0))
+        >>> round(float(c[0]), 4), bool(c[2]), bool(c[5]), bool(c[6])
+        (0.05, True, False, True)
+    """
+    momentum, nesterov = hyper
+    w = np.float32(1.0 - momentum)
+    mu = np.float32(momentum)
+    return (w, w - np.float32(1.0), abs(w) < np.float32(0.5), mu, mu - np.float32(1.0), abs(mu) < np.float32(0.5),
+            nesterov != 0.0)
+
+
+@shared
+def muon_momentum_element(unused_in: Any, g: Any, b: Any, unused: Any, constants: tuple) -> tuple:
+    """Muon's momentum of one element, as ``torch.optim.Muon``: returns ``(u, b, unused)``.
+
+    .. code-block:: text
+
+        b = lerp(b, g, 1 - momentum)
+        u = lerp(g, b, momentum) (nesterov) | b
+
+    Examples:
+        >>> f = np.float32
+        >>> c = muon_momentum_constants(0, f(0.1), (0.5, 1.0))
+        >>> [float(v) for v in muon_momentum_element(f(0.0), f(2.0), f(0.0), f(0.0), c)[:2]]
+        [1.5, 1.0]
+    """
+    w, w1, small, mu, mu1, mu_small, nesterov = constants
+    b_new = lerp32(b, g, w, w1, small)
+    u = b_new
+    if nesterov:
+        u = lerp32(g, b_new, mu, mu1, mu_small)
+    return u, b_new, unused
+
+
+@shared
+def muon_apply_constants(step: int, lr: Any, hyper: tuple) -> tuple:
+    """``(-lr, 1 - lr * weight_decay)`` (float32; the product in float64) for :func:`muon_apply_element`.
+
+    Examples:
+        >>> [round(float(v), 4) for v in muon_apply_constants(0, np.float32(0.1), (0.5,))]
+        [-0.1, 0.95]
+    """
+    (weight_decay,) = hyper
+    lr64 = float(lr)
+    return np.float32(-lr64), np.float32(1.0 - lr64 * weight_decay)
+
+
+@shared
+def muon_apply_element(p: Any, o: Any, s: Any, unused: Any, constants: tuple) -> tuple:
+    """Muon's update of one element (``o``: the orthogonalized, shape-scaled update):
+    ``p = p (1 - lr wd) - lr o``; ``s`` passes through.
+
+    Examples:
+        >>> f = np.float32
+        >>> c = muon_apply_constants(0, f(0.1), (0.0,))
+        >>> round(float(muon_apply_element(f(1.0), f(2.0), f(0.0), f(0.0), c)[0]), 4)
+        0.8
+    """
+    neg_lr, decay = constants
+    return fma32(neg_lr, o, p * decay), s, unused
+
+
+SLOT_MATH = {"sgd": (sgd_element, sgd_constants), "lion": (lion_element, lion_constants),
+             "adagrad": (adagrad_element, adagrad_constants),
+             "muon_momentum": (muon_momentum_element, muon_momentum_constants),
+             "muon_apply": (muon_apply_element, muon_apply_constants)}
+"""Each one-slot pass by name: ``(element, constants)``; every backend's slot kernel wraps these."""

@@ -74,6 +74,29 @@ class AdagradHyper(NamedTuple):
     eps: float = 1e-10
 
 
+class MuonMomentumHyper(NamedTuple):
+    """Muon's momentum pass (`zfunc_kernels.fused_muon_momentum`; host numbers).
+
+    Examples:
+        >>> MuonMomentumHyper().momentum
+        0.95
+    """
+
+    momentum: float = 0.95
+    nesterov: bool = True
+
+
+class MuonApplyHyper(NamedTuple):
+    """Muon's update pass (`zfunc_kernels.fused_muon_apply`; host numbers).
+
+    Examples:
+        >>> MuonApplyHyper().weight_decay
+        0.1
+    """
+
+    weight_decay: float = 0.1
+
+
 class StepScalars(NamedTuple):
     """The device scalars of one optimizer step; the kernels never read them on the host.
 

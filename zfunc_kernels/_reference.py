@@ -145,8 +145,16 @@ def fused_slot_update(kind: str, vectors: SlotVectors, scalars: StepScalars, hyp
         d = g + f32(wd) * p if wd else g
         s_new = s + d * d
         p_new = p - clr * (d / (torch.sqrt(s_new) + f32(eps)))
+    elif kind == "muon_momentum":  # "master" receives the matrix to orthogonalize
+        momentum, nesterov = hyper
+        s_new = torch.lerp(s, g, f32(1.0 - momentum))
+        p_new = torch.lerp(g, s_new, f32(momentum)) if nesterov else s_new
+    elif kind == "muon_apply":  # "grad" is the orthogonalized update; the slot passes through
+        (wd,) = hyper
+        p_new = p * (1.0 - lr.to(_F64) * wd).to(_F32) - lr.to(_F32) * g
+        s_new = s
     else:
-        raise ValueError(f"kind must be 'sgd', 'lion' or 'adagrad', got {kind!r}")
+        raise ValueError(f"kind must be one of 'sgd', 'lion', 'adagrad', 'muon_momentum', 'muon_apply', got {kind!r}")
     p_new = p_new.to(master.dtype)
     master.copy_(torch.where(skip, master, p_new))
     slot.copy_(torch.where(skip, slot, s_new.to(slot.dtype)))

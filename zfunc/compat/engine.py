@@ -433,10 +433,10 @@ class Engine(torch.nn.Module):
             extra = read_extra(path)
         loaded, current = load(path, like=self._state), self._with_group_edits(self._state)
         if load_module_only:  # the weights alone: counters, optimizer and scaler stay the engine's
-            loaded = loaded.replace(step=current.step, opt=current.opt, hyper=current.hyper,
-                                    scaler=current.scaler)
+            loaded = loaded.replace(step=current.step, opt=current.opt, group_opts=current.group_opts,
+                                    hyper=current.hyper, scaler=current.scaler)
         elif not load_optimizer_states:  # DeepSpeed keeps its skipped-step counter apart from the scaler
-            loaded = loaded.replace(opt=current.opt, hyper=current.hyper,
+            loaded = loaded.replace(opt=current.opt, group_opts=current.group_opts, hyper=current.hyper,
                                     scaler=dataclasses.replace(current.scaler, skipped=loaded.scaler.skipped))
         self.state = loaded
         self.optimizer.write_back()  # the loaded hyperparameters (e.g. a hand-set lr) in the groups

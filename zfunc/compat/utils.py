@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from zfunc.core import opt_state
 from zfunc.distributed import comm
 
 __all__ = ["safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_grad",
@@ -24,7 +25,7 @@ __all__ = ["safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_ful
 # id(parameter) -> (the parameter, its engine, its name), all held weakly (a tensor cannot key a
 # WeakKeyDictionary: its == is elementwise)
 _OWNERS: dict[int, tuple[weakref.ref, weakref.ref, str]] = {}
-_KEYS = {"exp_avg": "mu", "exp_avg_sq": "nu"}
+_KEYS = {"exp_avg": "mu", "exp_avg_sq": "nu", "momentum_buffer": "momentum_buffer"}
 
 
 def register(engine: Any) -> None:
@@ -196,7 +197,7 @@ def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> 
         [0.0]
     """
     engine, name = owner_of(param)
-    return _full(engine.state, _moment(engine.state, optim_state_key), name)
+    return _full(engine.state, _moment(engine.state, optim_state_key, name), name)
 
 
 def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
@@ -211,15 +212,25 @@ def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, opti
     """
     engine, name = owner_of(param)
     if _where(engine.state, name) is not None:
-        _write(engine.state, _moment(engine.state, optim_state_key), name, value)
+        state = engine.state
+        arena = _moment(state, optim_state_key, name)
+        _write(state, arena, name, value)
+        k = opt_state.optimizer_of(state.cfg)[state.layout.group_of[name]]
+        packed = getattr(opt_state.records(state)[k], _KEYS[optim_state_key])
+        if packed is not arena:  # the optimizer's moments are packed: write the copy back
+            packed.copy_(opt_state.pack(arena, opt_state.runs(state.cfg, state.layout)[k]))
 
 
-def _moment(state: Any, key: str) -> torch.Tensor:
+def _moment(state: Any, key: str, name: str) -> torch.Tensor:
+    """The moment ``key`` (DeepSpeed's name) of the optimizer stepping ``name``, laid out like the master."""
+    k = opt_state.optimizer_of(state.cfg)[state.layout.group_of[name]]
+    opt = opt_state.optimizers(state.cfg)[k]
     ours = _KEYS.get(key)
-    if ours is None or ours not in state.cfg.optimizer.moments:
-        raise ValueError(f"optim_state_key: {key!r} is not a moment of {state.cfg.optimizer.name} (it keeps "
-                         f"{[k for k, v in _KEYS.items() if v in state.cfg.optimizer.moments]})")
-    return getattr(state.opt, ours)
+    if ours is None or ours not in opt.moments:
+        raise ValueError(f"optim_state_key: {key!r} is not a moment of {opt.name}, which steps {name!r} (it keeps "
+                         f"{[k for k, v in _KEYS.items() if v in opt.moments]})")
+    runs = opt_state.runs(state.cfg, state.layout)[k]
+    return opt_state.spread(getattr(opt_state.records(state)[k], ours), runs, state.params.numel())
 
 
 def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
@@ -260,4 +271,4 @@ def safe_get_local_optimizer_state(param: torch.Tensor, optim_state_key: str) ->
         [0.0, 0.0]
     """
     engine, name = owner_of(param)
-    return _local(engine.state, _moment(engine.state, optim_state_key), name)
+    return _local(engine.state, _moment(engine.state, optim_state_key, name), name)

@@ -119,7 +119,7 @@ class Config:
                "stage", "one of 0, 1, 2, 3", self.stage)
         check(self.precision in _PRECISIONS, "precision", '"fp32", "fp16" or "bf16"', self.precision)
         check(isinstance(self.optimizer, OPTIMIZERS), "optimizer",
-              "zfunc.adam, adamw, sgd, lion or adagrad (...)", self.optimizer)
+              "zfunc.adam, adamw, sgd, lion, adagrad or muon (...)", self.optimizer)
         check(is_positive_int(self.grad_accum), "grad_accum", "a positive integer", self.grad_accum)
         check(self.clip is None or (is_finite_number(self.clip) and self.clip >= 0),
                "clip", "None or a finite number >= 0", self.clip)

@@ -23,6 +23,7 @@ from zfunc.core.donation import check_live
 from zfunc.errors import ConfigError
 from zfunc.distributed.layout import Layout, make_layout, master_view
 from zfunc.distributed.mesh import Mesh, make_mesh
+from zfunc.core import opt_state
 from zfunc.core.optim import assign_groups
 from zfunc.core.scaler import scaler_init
 from zfunc.core.state import GroupHyper, Metrics, TrainState, accumulator_numel, host_flag, released_grads
@@ -133,6 +134,26 @@ def _gathered_units(model: torch.nn.Module, cfg: Config,
     return [(name, [n for n, _, _ in g]) for g, name in zip(groups, names) if name != "root"]
 
 
+def _check_matrices(model: torch.nn.Module, cfg: Config, trainable: dict[str, torch.Tensor]) -> None:
+    """An optimizer for matrices only (Muon) given other parameters is an error naming them."""
+    frozen = [n for n, _ in model.named_parameters() if n not in trainable]
+    group_of = assign_groups(cfg.param_groups, trainable, frozen)
+    opts, owner = opt_state.optimizers(cfg), opt_state.optimizer_of(cfg)
+    for k, opt in enumerate(opts):
+        if not getattr(opt, "matrices_only", False):
+            continue
+        where = "optimizer" if k == 0 else f"param_groups[{owner.index(k) - 1}].optimizer"
+        odd = [f"{n} {list(p.shape)}" for n, p in trainable.items() if owner[group_of[n]] == k and p.ndim != 2]
+        if odd:
+            raise ConfigError(f"{where}: {opt.name} takes 2-D parameters only, and is given {odd[:5]}"
+                              f"{' ...' if len(odd) > 5 else ''}; give it the matrices through a zfunc.ParamGroup "
+                              "(params=lambda name, p: p.ndim == 2, optimizer=zfunc.muon(...)) and keep another "
+                              "optimizer for the rest")
+        if cfg.offload_optimizer is not None:
+            raise ConfigError(f"{where}: {opt.name} with offload_optimizer is not supported (its Newton-Schulz "
+                              "step runs on the compute device); leave offload_optimizer None")
+
+
 def group_hyper(cfg: Config) -> GroupHyper:
     """The hyperparameters of the optimizer (group 0) and of each `zfunc.ParamGroup`, on the host.
 
@@ -145,15 +166,14 @@ def group_hyper(cfg: Config) -> GroupHyper:
         >>> group_hyper(cfg).lr.tolist()
         [0.1, 0.2]
     """
-    opt = cfg.optimizer
-    rows = [opt.values()]
+    rows = [cfg.optimizer.values()]
     for i, g in enumerate(cfg.param_groups):
-        given = g.values()
+        opt, given = g.optimizer or cfg.optimizer, g.values()
         extra = sorted(set(given) - set(opt.live))
         if extra:
             raise ConfigError(f"param_groups[{i}]: {opt.name} does not read {extra} (it reads "
                               f"{', '.join(opt.live)}); remove them from the group")
-        rows.append({**rows[0], **given})
+        rows.append({**opt.values(), **given})
     return GroupHyper(**{f.name: torch.tensor([float(r.get(f.name, 0.0)) for r in rows], dtype=torch.float64)
                          for f in dataclasses.fields(GroupHyper)})
 
@@ -306,6 +326,7 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
                           "with model.to(device) before init")
     else:
         device = next(iter(trainable.values())).device
+    _check_matrices(model, cfg, trainable)
     mesh = mesh_of(cfg, group)
     units, unit_names = units_of(model, cfg, trainable)
     layout = make_layout(units, world=mesh.shard.size, rank=mesh.shard.rank, align=cfg.align, names=unit_names)
@@ -358,10 +379,7 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
     if weights is not None:
         read_weights(open_weights(weights, weights_map), layout, cfg.stage, pieces, {**frozen, **buffers})
     params, compute = place_master(master, cfg, layout, mesh)
-    opt = cfg.optimizer
-    moments = {name: torch.full((params.numel(),), opt.moment_init, dtype=cfg.moment_dtype, device=params.device,
-                              pin_memory=params.is_pinned())
-             for name in opt.moments}
+    opt, group_opts = opt_state.init_records(cfg, layout, params)
 
     def scalar(v: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.tensor(v, dtype=dtype, device=device)
@@ -373,7 +391,7 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
     state = TrainState(
         params=params, compute=compute,
         grads=released_grads(accumulator_numel(cfg, layout), cfg.grad_accum_dtype, device),
-        opt=opt.state_class(**moments, count=torch.zeros((), dtype=torch.int64, device=params.device)),
+        opt=opt, group_opts=group_opts,
         hyper=group_hyper(cfg),
         scaler=scaler, step=scalar(0, torch.int64), micro_step=torch.zeros((), dtype=torch.int64),
         loss_sum=scalar(0.0),

@@ -1,9 +1,10 @@
-"""The optimizer's hyperparameters: Adam and AdamW with torch's names and defaults, and
-parameter groups that give some parameters other values."""
+"""The optimizers' hyperparameters (Adam/AdamW, SGD, Lion, Adagrad, Muon) with torch's names and
+defaults, and parameter groups that give some parameters other values or another optimizer."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Union
 
@@ -11,10 +12,10 @@ import torch
 
 import zfunc_kernels
 from zfunc.errors import ConfigError, check, is_finite_number, is_number
-from zfunc.core.state import AdagradState, AdamState, LionState, SGDState
+from zfunc.core.state import AdagradState, AdamState, LionState, MuonState, SGDState
 
-__all__ = ["AdamConfig", "SGDConfig", "LionConfig", "AdagradConfig", "OPTIMIZERS", "adam", "adamw", "sgd", "lion",
-           "adagrad", "ParamGroup", "assign_groups"]
+__all__ = ["AdamConfig", "SGDConfig", "LionConfig", "AdagradConfig", "MuonConfig", "OPTIMIZERS", "adam", "adamw",
+           "sgd", "lion", "adagrad", "muon", "ParamGroup", "assign_groups"]
 
 
 class _Optimizer:
@@ -181,10 +182,98 @@ class AdagradConfig(_Optimizer):
         return float(self.initial_accumulator_value)
 
 
-OPTIMIZERS = (AdamConfig, SGDConfig, LionConfig, AdagradConfig)
+@dataclasses.dataclass(frozen=True)
+class MuonConfig(_Optimizer):
+    """``torch.optim.Muon``'s hyperparameters with torch's names and defaults (`zfunc.muon`).
+
+    Muon takes 2-D parameters only. Its step is not one element pass: `zfunc.core.muon` runs the
+    momentum pass, orthogonalizes each matrix whole, then the update pass. ``ns_dtype`` is
+    where Newton-Schulz runs: bfloat16 as torch (the default), or float32 (more exact, and faster
+    on CPUs without bfloat16 matrix units).
+
+    Examples:
+        >>> import zfunc
+        >>> zfunc.MuonConfig().momentum, zfunc.MuonConfig().ns_steps
+        (0.95, 5)
+    """
+
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+    eps: float = 1e-7
+    ns_steps: int = 5
+    adjust_lr_fn: str | None = None
+    ns_dtype: torch.dtype = torch.bfloat16
+
+    name = "muon"
+    moments = ("momentum_buffer",)
+    live = ("lr", "weight_decay", "momentum", "eps")
+    state_class = MuonState
+    moment_init = 0.0
+    matrices_only = True
+
+    def __post_init__(self) -> None:
+        _check_common(self.lr, self.weight_decay)
+        check(is_finite_number(self.momentum) and self.momentum >= 0, "optimizer.momentum", "a finite number >= 0",
+              self.momentum)
+        check(isinstance(self.nesterov, bool), "optimizer.nesterov", "True or False", self.nesterov)
+        c = self.ns_coefficients
+        check(isinstance(c, (tuple, list)) and len(c) == 3 and all(is_finite_number(x) for x in c),
+              "optimizer.ns_coefficients", "three finite numbers (a, b, c)", c)
+        object.__setattr__(self, "ns_coefficients", tuple(float(x) for x in c))
+        check(is_finite_number(self.eps) and self.eps > 0, "optimizer.eps", "a finite number > 0", self.eps)
+        check(isinstance(self.ns_steps, int) and not isinstance(self.ns_steps, bool) and 0 <= self.ns_steps < 100,
+              "optimizer.ns_steps", "an int in [0, 100)", self.ns_steps)
+        check(self.adjust_lr_fn in (None, "original", "match_rms_adamw"), "optimizer.adjust_lr_fn",
+              'None, "original" or "match_rms_adamw"', self.adjust_lr_fn)
+        check(self.ns_dtype in (torch.bfloat16, torch.float32), "optimizer.ns_dtype", "torch.bfloat16 or torch.float32",
+              self.ns_dtype)
+
+    def lr_ratio(self, shape: tuple[int, ...]) -> float:
+        """The learning-rate factor of a matrix of ``shape`` (torch's ``adjust_lr_fn``):
+        ``sqrt(max(1, rows / cols))`` ("original", the default) or ``0.2 sqrt(max(rows, cols))``.
+
+        Examples:
+            >>> import zfunc
+            >>> zfunc.muon().lr_ratio((8, 2)), zfunc.muon(adjust_lr_fn="match_rms_adamw").lr_ratio((4, 25))
+            (2.0, 1.0)
+        """
+        rows, cols = shape[:2]
+        if self.adjust_lr_fn == "match_rms_adamw":
+            return 0.2 * math.sqrt(max(rows, cols))
+        return math.sqrt(max(1.0, rows / cols))
+
+
+OPTIMIZERS = (AdamConfig, SGDConfig, LionConfig, AdagradConfig, MuonConfig)
 """The optimizer records: each names its moments (state per element), its per-group hyperparameters (``live``),
 its state record, and its fused pass (``fused``); `zfunc.apply_step`, checkpoints and
 `zfunc.memory_plan` read these instead of naming Adam's moments."""
+
+
+def muon(lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95, nesterov: bool = True,
+         ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315), eps: float = 1e-7,
+         ns_steps: int = 5, adjust_lr_fn: str | None = None, ns_dtype: torch.dtype = torch.bfloat16) -> MuonConfig:
+    """Muon as `torch.optim.Muon` defines it: momentum, orthogonalized per matrix by Newton-Schulz
+    (in bfloat16 as torch, or ``ns_dtype=torch.float32``), decoupled weight decay, the lr scaled
+    per matrix shape.
+
+    For 2-D parameters only: give it the hidden matrices through a `zfunc.ParamGroup` and keep an
+    Adam-type optimizer for the rest (embeddings, norms, biases). Sharded, each matrix is still
+    orthogonalized whole (`zfunc.core.muon`).
+
+    Examples:
+        >>> import torch, zfunc
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        >>> matrices = zfunc.ParamGroup(lambda name, p: p.ndim == 2, optimizer=zfunc.muon(lr=0.02))
+        >>> state = zfunc.init(model, zfunc.Config(optimizer=zfunc.adamw(lr=3e-4), param_groups=[matrices]))
+        >>> type(state.opt).__name__, [type(o).__name__ for o in state.group_opts]
+        ('AdamState', ['MuonState'])
+    """
+    return MuonConfig(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                      ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+                      ns_dtype=ns_dtype)
 
 
 def sgd(lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
@@ -272,6 +361,10 @@ class ParamGroup:
         momentum: SGD's.
         dampening: SGD's.
         lr_decay: Adagrad's.
+        optimizer: this group's own optimizer (``None``: `Config.optimizer`), e.g. `zfunc.muon`
+            for the hidden matrices while the rest train with AdamW. The group's values default
+            to this optimizer's; its state is its own record (`TrainState.group_opts`) and its
+            own fused pass.
 
     A parameter chosen by no group keeps the optimizer's hyperparameters (group 0); one chosen by
     two groups is an error.
@@ -292,8 +385,11 @@ class ParamGroup:
     momentum: float | None = None
     dampening: float | None = None
     lr_decay: float | None = None
+    optimizer: Any = None
 
     def __post_init__(self) -> None:
+        check(self.optimizer is None or isinstance(self.optimizer, OPTIMIZERS), "param_groups.optimizer",
+              "None or zfunc.adam, adamw, sgd, lion, adagrad or muon (...)", self.optimizer)
         p = self.params
         ok = callable(p) or isinstance(p, str) or (isinstance(p, (list, tuple)) and all(isinstance(n, str) for n in p))
         check(ok, "param_groups.params", "a name, a list of names or a predicate (name, param) -> bool", p)

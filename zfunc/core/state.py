@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from zfunc.distributed.mesh import Mesh
     from zfunc.core.scaler import ScalerState
 
-__all__ = ["TrainState", "AdamState", "SGDState", "LionState", "AdagradState", "GroupHyper", "Metrics",
+__all__ = ["TrainState", "AdamState", "SGDState", "LionState", "AdagradState", "MuonState", "GroupHyper", "Metrics",
            "released_grads", "is_released", "accumulator", "accumulator_numel", "host_flag"]
 
 
@@ -135,6 +135,22 @@ class AdagradState:
 
 
 @dataclass(frozen=True)
+class MuonState:
+    """Muon's momentum over the elements of its groups on this rank (padding included), and the
+    updates applied.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> cfg = zfunc.Config(stage=0, optimizer=zfunc.muon())
+        >>> zfunc.init(torch.nn.Linear(3, 2, bias=False), cfg).opt.momentum_buffer.shape
+        torch.Size([8])
+    """
+
+    momentum_buffer: torch.Tensor
+    count: torch.Tensor
+
+
+@dataclass(frozen=True)
 class GroupHyper:
     """Each parameter group's hyperparameters, float64 tensors of shape ``(groups,)`` on the host.
 
@@ -197,8 +213,11 @@ class TrainState:
             the all-reduced sum at stage 0): the step's last micro-batch reduced it during its
             backward (`zfunc.autograd.buckets.Fold`), so `zfunc.apply_step` does not reduce again. Host
             metadata, False except between that micro-batch and the step.
-        opt: the optimizer's state record (`AdamState`, `SGDState`, `LionState`,
-            `AdagradState`), its moments shaped like ``params``.
+        opt: `Config.optimizer`'s state record (`AdamState`, `SGDState`, `LionState`,
+            `AdagradState`, `MuonState`), its moments shaped like ``params`` (packed over its own
+            groups' elements when some `zfunc.ParamGroup` has an optimizer of its own).
+        group_opts: the state record of each `zfunc.ParamGroup` with its own optimizer, in group
+            order (empty without one); `zfunc.core.opt_state` says where each one's moments lie.
         hyper: `GroupHyper`: each parameter group's learning rate, weight decay, betas, eps.
         scaler: `zfunc.core.scaler.ScalerState`.
         step: optimizer steps taken (skipped ones included), int64, on the device. The loss
@@ -234,6 +253,7 @@ class TrainState:
     compute: torch.Tensor
     grads: torch.Tensor
     opt: Any
+    group_opts: tuple[Any, ...]
     hyper: GroupHyper
     scaler: ScalerState
     step: torch.Tensor

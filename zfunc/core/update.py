@@ -26,7 +26,10 @@ import torch
 
 import zfunc_kernels
 from zfunc.distributed import comm
+from zfunc.core import opt_state
 from zfunc.core.donation import check_live, donate_
+from zfunc.core.muon import muon_step
+from zfunc.core.optim import MuonConfig
 from zfunc.distributed.layout import master_view
 from zfunc.core.scaler import scaler_update
 from zfunc.core.state import (GroupHyper, Metrics, TrainState, accumulator, accumulator_numel, host_flag, is_released,
@@ -91,9 +94,10 @@ def set_hyperparams(state: TrainState, group: int = 0, **values: float | tuple[f
         >>> later.hyper.lr.tolist(), later.hyper.beta2.tolist(), state.hyper.lr.tolist()
         ([0.05], [0.95], [0.1])
     """
-    h, opt = state.hyper, state.cfg.optimizer
+    h = state.hyper
     if not (isinstance(group, int) and 0 <= group < h.lr.numel()):
         raise ValueError(f"set_hyperparams: group must be in [0, {h.lr.numel()}), got {group!r}")
+    opt = opt_state.optimizers(state.cfg)[opt_state.optimizer_of(state.cfg)[group]]
     names = {"betas" if n.startswith("beta") else n for n in opt.live}
     unknown = set(values) - names
     if unknown:
@@ -225,9 +229,6 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
         master = compute if state.stage == 3 else master_view(compute, lay, state.stage)
     else:
         master = state.params if donate else _clone(state.params)
-    opt = cfg.optimizer
-    moments = [getattr(state.opt, n) if donate else _clone(getattr(state.opt, n)) for n in opt.moments]
-    count = state.opt.count.clone()
     if aliased:
         compute_out = None
     elif state.stage in (0, 3):
@@ -241,19 +242,23 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
         host = torch.cat([lrs, torch.stack([inv_scale, clip_coef, skip])]).cpu()  # one wait, after grad's copy
         k_lrs, (k_inv, k_clip, k_skip) = host[:lrs.numel()], host[lrs.numel():]
         compute_out = torch.empty(target.shape, dtype=target.dtype, pin_memory=pin)
-    # One fused pass per run of one parameter group (one run per group at stages 0-2).
-    table = {name: getattr(state.hyper, name).tolist() for name in opt.live}  # on the host: no sync
-    segments = lay.full_segments if state.stage == 0 else lay.arena_segments
-    for k, (g, start, n) in enumerate(segments):
-        step = count if k == 0 else state.opt.count.clone()  # each pass bumps its own copy
-        scalars = zfunc_kernels.StepScalars(step=step, lr=k_lrs[g], inv_scale=k_inv, clip_coef=k_clip,
+    # Each optimizer: one fused pass per run of one parameter group (Muon: its three parts).
+    records = []
+    for opt, record, runs in zip(opt_state.optimizers(cfg), opt_state.records(state), opt_state.runs(cfg, lay)):
+        moments = [getattr(record, n) if donate else _clone(getattr(record, n)) for n in opt.moments]
+        table = {name: getattr(state.hyper, name).tolist() for name in opt.live}  # on the host: no sync
+        scalars = zfunc_kernels.StepScalars(step=record.count, lr=k_lrs[0], inv_scale=k_inv, clip_coef=k_clip,
                                             found_inf=k_skip)
-
-        def part(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.narrow(0, start, n)
-
-        opt.fused(part(master), part(grad), [part(m) for m in moments], scalars,
-                  {name: values[g] for name, values in table.items()}, part(compute_out))
+        if isinstance(opt, MuonConfig):
+            muon_step(opt, runs, master, grad, moments[0], compute_out, k_lrs, table, scalars, lay,
+                      state.stage == 0, state.mesh.shard)
+        else:
+            for r in runs:
+                opt.fused(_run(master, r), _run(grad, r), [m.narrow(0, r.at, r.length) for m in moments],
+                          scalars._replace(step=record.count.clone(), lr=k_lrs[r.group]),  # a pass bumps its copy
+                          {name: values[r.group] for name, values in table.items()}, _run(compute_out, r))
+        count = record.count + (k_skip == 0).to(record.count.dtype)
+        records.append(opt.state_class(**dict(zip(opt.moments, moments)), count=count))
 
     if compute_out is not target and not bool(k_skip):  # the updated compute-dtype shard back to the
         target.copy_(compute_out, non_blocking=compute_out.is_pinned())  # device (a skipped pass wrote none)
@@ -273,13 +278,18 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
                       grad_norm=grad_norm, loss_scale=state.scaler.scale,
                       skipped=skip, lr=lrs[lay.groups[0]])
     new = state.replace(params=master, compute=compute, grads=grads, buffers=_rank0_buffers(state),
-                        opt=opt.state_class(**dict(zip(opt.moments, moments)), count=count), scaler=scaler,
+                        opt=records[0], group_opts=tuple(records[1:]), scaler=scaler,
                         step=state.step + 1,
                         micro_step=torch.zeros_like(state.micro_step), loss_sum=torch.zeros_like(state.loss_sum),
                         metrics=metrics, reduced=False, gathered=host_flag(gathered))
     if donate:
         donate_(state, "apply_step")
     return new
+
+
+def _run(t: torch.Tensor | None, r: opt_state.Run) -> torch.Tensor | None:
+    """Run ``r``'s part of an arena-shaped ``t``."""
+    return None if t is None else t.narrow(0, r.start, r.length)
 
 
 def _clone(t: torch.Tensor) -> torch.Tensor:

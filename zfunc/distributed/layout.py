@@ -96,6 +96,11 @@ class Layout:
         return tuple(sorted({s.group for u in self.units for s in u.slots}))
 
     @functools.cached_property
+    def group_of(self) -> dict[str, int]:
+        """Each parameter's group, by name."""
+        return {s.name: s.group for u in self.units for s in u.slots}
+
+    @functools.cached_property
     def arena_segments(self) -> tuple[tuple[int, int, int], ...]:
         """``(group, start, length)`` runs of one parameter group covering this rank's arena."""
         return self._segments(full=False)

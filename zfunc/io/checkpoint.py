@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
+from zfunc.core import opt_state
 from zfunc.distributed import comm
 
 from zfunc.io import commit
@@ -81,7 +82,7 @@ def _key(record: str, path: tuple) -> str:
 def _scalars(state: TrainState) -> dict[str, torch.Tensor]:
     """The state's small tensors under their checkpoint keys, where the state keeps them."""
     picked = {"step": state.step, "micro_step": state.micro_step, "loss_sum": state.loss_sum,
-              "count": state.opt.count}
+              **{_count_key(k): r.count for k, r in enumerate(opt_state.records(state))}}
     for record in _RECORDS:
         value = getattr(state, record)
         for path, leaf in zip(tree.paths(value), tree.leaves(value)):
@@ -142,8 +143,8 @@ def save(state: TrainState, path: str | os.PathLike, *, extra: dict[str, Any] | 
         if group.rank == 0:
             meta = {"format": _FORMAT, "world": group.size, "shard_size": state.mesh.shard.size, "stage": state.stage,
                     "params": {s.name: list(s.shape) for u in state.layout.units for s in u.slots},
-                    "master_dtype": str(state.params.dtype), "moment_dtype": str(_slots(state)[0].dtype),
-                    "optimizer": state.cfg.optimizer.name,
+                    "master_dtype": str(state.params.dtype), "moment_dtype": str(state.cfg.moment_dtype),
+                    "optimizer": state.cfg.optimizer.name, "optimizers": _optimizer_names(state),
                     "frozen": sorted(_replicated(state)),
                     "replicated": {n: list(t.shape) for n, t in _replicated(state).items()},
                     "groups": state.hyper.lr.numel(),
@@ -167,12 +168,14 @@ def _pieces(state: TrainState) -> dict[str, torch.Tensor]:
     """This rank's pieces: its owned slices of every parameter, its RNG; rank 0 also the
     replicated tensors (scalars, frozen parameters, buffers), so they are rank 0's values."""
     group, sd = state.group, {}
+    roles_of = _roles_of(state)
     for unit in state.layout.units if state.mesh.replicas.rank == 0 else ():  # one copy of each shard
         lo, hi = state.layout.owned(unit)
-        for role, t in zip(_roles(state), (state.params, *_slots(state))):
+        for role, t in _role_tensors(state).items():
             owned = _owned(state.stage, state.layout, t, unit)
             for name, start, at, n in _overlaps(unit, lo, hi):
-                sd[f"p/{name}/{role}/{start}"] = owned.narrow(0, at, n).detach().cpu()
+                if role in roles_of[name]:
+                    sd[f"p/{name}/{role}/{start}"] = owned.narrow(0, at, n).detach().cpu()
     if group.rank == 0:
         sd.update({k: v.detach().cpu().clone() for k, v in _scalars(state).items()})
         sd.update({f"f/{n}": t.detach().cpu() for n, t in _replicated(state).items()})
@@ -258,7 +261,10 @@ def _check_fits(meta: dict[str, Any], like: TrainState, path: str) -> None:
         problems.append(f"shapes differ (checkpoint vs model): {shapes[:5]}")
     if meta["optimizer"] != like.cfg.optimizer.name:
         problems.append(f"optimizer is {meta['optimizer']} in the checkpoint but {like.cfg.optimizer.name} in the state")
-    for key, have in (("master_dtype", like.params.dtype), ("moment_dtype", _slots(like)[0].dtype)):
+    elif meta.get("optimizers", [meta["optimizer"]]) != _optimizer_names(like):
+        problems.append(f"the groups' optimizers are {meta.get('optimizers')} in the checkpoint but "
+                        f"{_optimizer_names(like)} in the state")
+    for key, have in (("master_dtype", like.params.dtype), ("moment_dtype", like.cfg.moment_dtype)):
         if meta[key] != str(have):
             problems.append(f"{key} is {meta[key]} in the checkpoint but {have} in the state")
     if meta["groups"] != like.hyper.lr.numel():
@@ -316,10 +322,11 @@ def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True)
             pieces.setdefault(f"{name}/{role}", []).append(int(start))
     want: dict[str, torch.Tensor] = {}
     plan = []  # (role, unit, at, param name, start in param, length)
+    roles_of = _roles_of(like)
     for unit in lay.units:
         lo, hi = lay.owned(unit)
         for name, start, at, n in _overlaps(unit, lo, hi):
-            for role in _roles(like):
+            for role in roles_of[name]:
                 for s in sorted(pieces[f"{name}/{role}"]):
                     size = stored[f"p/{name}/{role}/{s}"].size[0]
                     if s < start + n and start < s + size:
@@ -346,9 +353,9 @@ def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True)
 
     dev = like.device  # the master is placed from the compute device (place_master moves it)
     roles = {role: torch.zeros(t.numel(), dtype=t.dtype, device=dev if role == "master" else t.device)
-             for role, t in zip(_roles(like), (like.params, *_slots(like)))}
+             for role, t in _role_tensors(like).items()}
     for unit, at, name, start, n in plan:
-        for role in _roles(like):
+        for role in roles_of[name]:
             dst = _owned(like.stage, lay, roles[role], unit).narrow(0, at, n)
             for s in pieces[f"{name}/{role}"]:
                 key = f"p/{name}/{role}/{s}"
@@ -358,7 +365,7 @@ def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True)
                 if a < b:
                     dst.narrow(0, a - start, b - a).copy_(want[key].narrow(0, a - s, b - a))
     if like.stage == 0 and like.mesh.shard.size > 1:  # every rank holds all of it: share the owned slices
-        for role in _roles(like):
+        for role in roles:
             for unit in lay.units:
                 lo, hi = lay.owned(unit)
                 full = comm.all_gather(roles[role].narrow(0, lo, hi - lo), like.mesh.shard)
@@ -378,9 +385,11 @@ def _assemble(like: TrainState, roles: dict[str, torch.Tensor], s: dict[str, tor
     if rng is not None:
         torch.set_rng_state(rng)
     grads = released_grads(accumulator_numel(cfg, like.layout), cfg.grad_accum_dtype, like.device)
+    opts = [opt.state_class(**{n: opt_state.pack(roles[_role(k, n)], runs) for n in opt.moments},
+                            count=s[_count_key(k)])
+            for k, (opt, runs) in enumerate(zip(opt_state.optimizers(cfg), opt_state.runs(cfg, like.layout)))]
     return like.replace(params=master, compute=compute, gathered=host_flag(True), grads=grads, reduced=False,
-                        opt=cfg.optimizer.state_class(**{n: roles[n] for n in cfg.optimizer.moments}, count=s["count"]),
-                        **records, step=s["step"], micro_step=s["micro_step"],
+                        opt=opts[0], group_opts=tuple(opts[1:]), **records, step=s["step"], micro_step=s["micro_step"],
                         loss_sum=s["loss_sum"], frozen={n: frozen[n] for n in like.frozen},
                         buffers={n: frozen[n] for n in like.buffers})
 
@@ -392,13 +401,36 @@ def _reraise(e: BaseException, what: str) -> None:
                           "incomplete. Nothing was loaded") from e
 
 
-def _roles(state: TrainState) -> tuple[str, ...]:
-    """What is stored per parameter piece: the master weights and the optimizer's slots."""
-    return ("master", *state.cfg.optimizer.moments)
+def _role(k: int, moment: str) -> str:
+    """The stored name of optimizer ``k``'s moment: ``mu`` for `Config.optimizer`'s, ``1.momentum_buffer``
+    for the first group optimizer's."""
+    return moment if k == 0 else f"{k}.{moment}"
 
 
-def _slots(state: TrainState) -> list[torch.Tensor]:
-    return [getattr(state.opt, n) for n in state.cfg.optimizer.moments]
+def _count_key(k: int) -> str:
+    return "count" if k == 0 else f"count.{k}"
+
+
+def _optimizer_names(state: TrainState) -> list[str]:
+    return [o.name for o in opt_state.optimizers(state.cfg)]
+
+
+def _role_tensors(state: TrainState) -> dict[str, torch.Tensor]:
+    """Each stored role laid out like the master: the master itself and every optimizer's moments
+    (spread over the arena, zeros where another optimizer's groups lie)."""
+    out = {"master": state.params}
+    total = state.params.numel()
+    for k, (opt, record, runs) in enumerate(zip(opt_state.optimizers(state.cfg), opt_state.records(state),
+                                               opt_state.runs(state.cfg, state.layout))):
+        out.update({_role(k, n): opt_state.spread(getattr(record, n), runs, total) for n in opt.moments})
+    return out
+
+
+def _roles_of(state: TrainState) -> dict[str, tuple[str, ...]]:
+    """What is stored per parameter: the master weights and its own optimizer's moments."""
+    owner, opts = opt_state.optimizer_of(state.cfg), opt_state.optimizers(state.cfg)
+    return {s.name: ("master", *(_role(owner[s.group], n) for n in opts[owner[s.group]].moments))
+            for u in state.layout.units for s in u.slots}
 
 
 def _replicated(state: TrainState) -> dict[str, torch.Tensor]:

@@ -250,14 +250,16 @@ def load_deepspeed(path: str | os.PathLike, like: Any, tag: str | None = None) -
         CheckpointError: not a DeepSpeed checkpoint, a checkpoint of another model (names or
             shapes), or ``like`` trains with another optimizer than Adam. Nothing is loaded.
     """
+    from zfunc.core import opt_state
     from zfunc.core.create import place_master
     from zfunc.core.state import accumulator_numel, host_flag, released_grads
 
     ck = read_deepspeed(path, tag)
     lay, cfg = like.layout, like.cfg
-    if cfg.optimizer.moments != ("mu", "nu"):
+    if cfg.optimizer.moments != ("mu", "nu") or like.group_opts:
         raise CheckpointError(f"{ck.where}: a DeepSpeed Adam checkpoint holds Adam moments; this state trains with "
-                              f"{cfg.optimizer.name}. Use zfunc.adamw (or adam) to continue from it")
+                              f"{'+'.join(o.name for o in opt_state.optimizers(cfg))}. Use zfunc.adamw (or adam) "
+                              "for every group to continue from it")
     ours = {s.name: tuple(s.shape) for u in lay.units for s in u.slots}
     theirs = {n: tuple(t.shape) for n, t in ck.master.items()}
     problems = []

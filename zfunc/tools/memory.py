@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from zfunc.core import opt_state
 from zfunc.core.config import Config
 from zfunc.core.create import trainable_params, units_of
 from zfunc.distributed.layout import make_layout
@@ -41,7 +42,8 @@ def memory_report(state: TrainState) -> dict[str, int]:
             seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
         return sum(seen.values())
 
-    slots = [getattr(state.opt, n) for n in state.cfg.optimizer.moments]
+    slots = [getattr(r, n) for o, r in zip(opt_state.optimizers(state.cfg), opt_state.records(state))
+             for n in o.moments]
     grads = 0 if is_released(state.grads) else nbytes(state.grads)
     rep = {"params": nbytes(state.params, state.compute), "grads": grads,
            "optimizer": sum(nbytes(t) for t in slots)}
@@ -88,6 +90,8 @@ def memory_plan(model: torch.nn.Module, cfg: Config, world_size: int) -> dict[st
     shared = cfg.compute_dtype == cfg.master_dtype and not offload  # the master is a view of the compute copy
     master = 0 if shared else opt_numel * size(cfg.master_dtype)
     grads = accumulator_numel(cfg, lay) * size(cfg.grad_accum_dtype)
-    optimizer = len(cfg.optimizer.moments) * opt_numel * size(cfg.moment_dtype)
+    opt_runs = opt_state.runs(cfg, lay)  # rank 0's share of each optimizer's elements
+    optimizer = sum(len(o.moments) * opt_state.numel(r) for o, r in zip(opt_state.optimizers(cfg), opt_runs)
+                    ) * size(cfg.moment_dtype)
     plan = {"params": compute + master, "grads": grads, "optimizer": optimizer}
     return _totals(plan, master + optimizer if offload else 0)
