@@ -15,6 +15,15 @@ with ``time.perf_counter``; zfunc and torch runs alternate so both see the same 
 (f) the floor: an njit parallel kernel that only moves the 28 bytes per parameter an fp32 Adam
     step must move (read p, g, m, v; write p, m, v).
 
+With ``--muon`` it times Muon instead, on the matrices of a GPT (``--d-model``, ``--layers``):
+
+(g) zfunc's Muon step (``apply_step`` at world 1: the overflow and norm pass, the momentum pass,
+    Newton-Schulz per matrix, the update pass) against ``torch.optim.Muon.step()`` on the same
+    matrices and gradients, Newton-Schulz in bfloat16 (torch's) and in float32 (``ns_dtype``);
+(h) the distributed step's exchange, from the layouts alone (no processes): the bytes a rank
+    receives per model parameter for the Muon matrices that cross a shard boundary, against a
+    ZeRO-1 AdamW step's reduce-scatter of the gradient and all-gather of the parameters (fp32).
+
 Effective GB/s divide the bytes the task must move by the time: 28 B/param for an Adam step,
 34 B/param for the phase (4 to read the gradient for its norm, 28 for Adam, 2 for the bf16
 copy), the same numerator for zfunc and torch. Gradients are restored from a copy before each
@@ -25,11 +34,13 @@ Usage::
 
     PYTHONPATH=. python benchmarks/optimizer.py [--sizes 10M,50M] [--threads 1,2]
                                                 [--repeats 10] [--device cpu|cuda]
+    PYTHONPATH=. python benchmarks/optimizer.py --muon [--d-model 512] [--layers 4] [--repeats 10]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import statistics
@@ -232,13 +243,109 @@ def row(n: int, threads: int, ms: dict[str, float]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def muon_matrices(d: int, layers: int) -> torch.nn.Module:
+    """The matrices Muon trains in a GPT block stack: qkv, attention out, MLP in and out."""
+    shapes = [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)] * layers
+    return torch.nn.ParameterList(torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes)
+
+
+def muon_step_times(d: int, layers: int, repeats: int, ns_dtype: torch.dtype) -> tuple[float, float, int]:
+    """Medians (ms) of zfunc's Muon step and ``torch.optim.Muon.step()``, interleaved, and the size."""
+    import zfunc
+    from unittest import mock
+
+    torch.manual_seed(0)
+    model = muon_matrices(d, layers)
+    grads = {n: torch.randn_like(p) for n, p in model.named_parameters()}
+    ref = muon_matrices(d, layers)
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.Muon(ref.parameters(), lr=0.02)
+    state = zfunc.init(model, zfunc.Config(stage=0, clip=None, optimizer=zfunc.muon(lr=0.02, ns_dtype=ns_dtype)))
+    patch = contextlib.nullcontext()
+    if ns_dtype == torch.float32:  # torch's iteration, in float32 (what ns_dtype=float32 runs)
+        from torch.optim import _muon
+        original = _muon._zeropower_via_newtonschulz
+
+        def in_float32(g, coefficients, steps, eps):
+            with mock.patch.object(torch.Tensor, "bfloat16", lambda t: t.float()):
+                return original(g, coefficients, steps, eps)
+        patch = mock.patch.object(_muon, "_zeropower_via_newtonschulz", in_float32)
+    times: dict[str, list[float]] = {"zfunc": [], "torch": []}
+    with patch:
+        for r in range(repeats + 2):
+            for n, p in ref.named_parameters():
+                p.grad = grads[n].clone()
+            t0 = time.perf_counter()
+            opt.step()
+            t1 = time.perf_counter()
+            staged = zfunc.accumulate(state, grads)
+            t2 = time.perf_counter()
+            state = zfunc.apply_step(staged, donate=True)
+            t3 = time.perf_counter()
+            if r >= 2:
+                times["torch"].append(1e3 * (t1 - t0))
+                times["zfunc"].append(1e3 * (t3 - t2))
+    return statistics.median(times["zfunc"]), statistics.median(times["torch"]), state.layout.numel
+
+
+def muon_exchange(d: int, layers: int, world: int, stage: int) -> tuple[float, float]:
+    """Bytes a rank receives per model parameter: Muon's exchange (the largest rank's), and a
+    ZeRO-1 AdamW step's reduce-scatter plus all-gather, for a GPT with Muon on its block matrices."""
+    import zfunc
+    from zfunc.core import opt_state
+    from zfunc.core.create import trainable_params, units_of
+    from zfunc.core.muon import plan
+    from zfunc.distributed.layout import make_layout
+    from zfunc.models import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=32000, block_size=1024, n_layer=layers, n_head=8, d_model=d))
+    rule = zfunc.ParamGroup(lambda n, p: p.ndim == 2 and n.startswith("blocks."), optimizer=zfunc.muon())
+    cfg = zfunc.Config(stage=stage, param_groups=[rule])
+    units, names = units_of(model, cfg, trainable_params(model, cfg))
+    lay = make_layout(units, world=world, rank=0, align=cfg.align, names=names)
+    muon_runs = opt_state.runs(cfg, lay)[1]
+    received = (world - 1) * plan(lay, False, muon_runs).send * 4
+    zero1 = 2 * (world - 1) / world * 4 * lay.full_numel  # reduce-scatter of grads + all-gather of params, fp32
+    return received / lay.numel, zero1 / lay.numel
+
+
+def muon_main(args: argparse.Namespace) -> None:
+    torch.set_num_threads(int(args.threads.split(",")[0]))
+    print(f"# machine: {platform.machine()}, {platform.processor() or '?'}, {os.cpu_count()} cores; torch "
+          f"{torch.__version__}; {torch.get_num_threads()} threads; GPT matrices d_model={args.d_model}, "
+          f"{args.layers} layers; median of {args.repeats}")
+    print("
+| Newton-Schulz in | matrices | parameters | zfunc Muon step ms | torch.optim.Muon ms | zfunc / torch |")
+    print("|---|---|---|---|---|---|")
+    for dtype in (torch.bfloat16, torch.float32):
+        z, t, n = muon_step_times(args.d_model, args.layers, args.repeats, dtype)
+        print(f"| {str(dtype)[6:]} | {4 * args.layers} | {n / 1e6:.2f}M | {z:.1f} | {t:.1f} | {z / t:.3f} |",
+              flush=True)
+    print("
+Bytes a rank receives per model parameter in one step (GPT, vocab 32000, Muon on the block "
+          "matrices, AdamW on the rest)
+")
+    print("| world | stage | Muon exchange B/param | ZeRO-1 AdamW step B/param | Muon extra / ZeRO-1 |")
+    print("|---|---|---|---|---|")
+    for world in (2, 4, 8):
+        for stage in (1, 3):
+            extra, zero1 = muon_exchange(args.d_model, args.layers, world, stage)
+            print(f"| {world} | {stage} | {extra:.4f} | {zero1:.3f} | {extra / zero1:.4f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="10M,50M")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--muon", action="store_true", help="time Muon (g, h) instead of Adam")
+    ap.add_argument("--d-model", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=4)
     args = ap.parse_args()
+    if args.muon:
+        return muon_main(args)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     threads = [int(t) for t in args.threads.split(",")] if args.device == "cpu" else [0]
 

@@ -16,7 +16,7 @@ from tests.helpers import run_ranks
     (dict(grad_accum=2.0), r"grad_accum: expected a positive integer, got 2.0"),
     (dict(clip=-1.0), r"clip: expected None or a finite number >= 0, got -1.0"),
     (dict(precision="fp8"), r'precision: expected "fp32", "fp16" or "bf16"'),
-    (dict(optimizer="adam"), r"optimizer: expected zfunc.adam, adamw, sgd, lion or adagrad"),
+    (dict(optimizer="adam"), r"optimizer: expected zfunc.adam, adamw, sgd, lion, adagrad or muon"),
     (dict(moment_dtype=torch.float16), r"moment_dtype: expected torch.float32 or torch.bfloat16"),
     (dict(persist_threshold=True), r"persist_threshold: expected an integer >= 0, got True"),
     (dict(prefetch=-1), r"prefetch: expected an integer >= 0 \(units gathered ahead\), got -1"),

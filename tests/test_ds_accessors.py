@@ -100,7 +100,7 @@ def test_an_accessor_given_another_tensor_says_what_to_pass():
     with pytest.raises(ValueError, match="not a parameter of a live zfunc engine's module"):
         zfunc.utils.safe_get_full_fp32_param(torch.zeros(2))
     engine, *_ = zfunc.initialize(model=_model(), config={"train_batch_size": 1})
-    with pytest.raises(ValueError, match="'momentum' is not a moment of adam "):
+    with pytest.raises(ValueError, match="'momentum' is not a moment of adam, which steps"):
         zfunc.utils.safe_get_full_optimizer_state(engine.module[0].weight, "momentum")
 
 

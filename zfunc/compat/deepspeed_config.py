@@ -24,7 +24,7 @@ import torch
 
 from zfunc.core import schedules
 from zfunc.errors import ConfigError
-from zfunc.core.optim import AdagradConfig, AdamConfig, LionConfig, SGDConfig
+from zfunc.core.optim import AdagradConfig, AdamConfig, LionConfig, MuonConfig, ParamGroup, SGDConfig
 from zfunc.core.scaler import FLOAT32_MAX, DynamicLossScale
 
 __all__ = ["translate", "read_config", "BatchSizes", "batch_sizes"]
@@ -208,12 +208,60 @@ def _refuse_unknown(ds: Mapping[str, Any]) -> None:
         raise _err("bf16.immediate_grad_update", "false (zfunc accumulates gradients until the step)", True)
 
 
-def _optimizer(ds: Mapping[str, Any]) -> Any:
-    """The optimizer record of the ``optimizer`` section: DeepSpeed's names for Adam, AdamW, SGD,
-    Lion and Adagrad (case-insensitive), each with its own ``params``."""
+def deepspeed_muon_rule(name: str, param: torch.Tensor) -> bool:
+    """DeepSpeed's choice of the parameters Muon trains: matrices (``ndim >= 2``) whose name holds
+    neither "embed" nor "lm_head" (case-insensitive); the rest train with Adam. zfunc's Muon
+    takes 2-D parameters only, so a 4-D convolution weight chosen here is an error at init.
+
+    Examples:
+        >>> import torch
+        >>> w = torch.zeros(4, 4)
+        >>> deepspeed_muon_rule("h.0.mlp.weight", w), deepspeed_muon_rule("wte.Embedding.weight", w)
+        (True, False)
+    """
+    return param.ndim >= 2 and not any(k in name.lower() for k in ("embed", "lm_head"))
+
+
+_MUON_KEYS = {"lr", "momentum", "weight_decay", "ns_method", "muon_lr", "adam_lr", "betas", "eps", "per_head_muon"}
+
+
+def _muon(params: dict[str, Any]) -> tuple[AdamConfig, tuple[ParamGroup, ...]]:
+    """DeepSpeed's ``"type": "Muon"``: Muon for `deepspeed_muon_rule`'s matrices, AdamW for the
+    rest, each half with DeepSpeed's defaults (Muon: lr 0.02, momentum 0.95, weight decay 0;
+    Adam: lr 3e-4, betas (0.9, 0.95), eps 1e-10, weight decay 0); ``muon_lr``/``adam_lr``
+    override the shared ``lr``."""
+    unknown = sorted(set(params) - _MUON_KEYS)
+    if unknown:
+        raise _err("optimizer.params", f"keys of Muon: {', '.join(sorted(_MUON_KEYS))}", unknown)
+    if params.get("ns_method", "standard") != "standard":
+        raise _err("optimizer.params.ns_method", '"standard" (zfunc runs the standard quintic Newton-Schulz of '
+                   'torch.optim.Muon; DeepSpeed\'s "gram" is a faster fp16 evaluation of the same iteration)',
+                   params["ns_method"])
+    if params.get("per_head_muon"):
+        raise _err("optimizer.params.per_head_muon", "false (zfunc orthogonalizes each matrix whole)", True)
+    shared_wd = params.get("weight_decay", 0.0)
+    betas = params.get("betas", (0.9, 0.95))
+    if not isinstance(betas, (list, tuple)):
+        raise _err("optimizer.params.betas", "a list of two numbers", betas)
+    try:
+        adam = AdamConfig(lr=params.get("adam_lr", params.get("lr", 3e-4)), betas=tuple(betas),
+                          eps=params.get("eps", 1e-10), weight_decay=shared_wd)
+        muon = MuonConfig(lr=params.get("muon_lr", params.get("lr", 0.02)), momentum=params.get("momentum", 0.95),
+                          weight_decay=shared_wd)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("optimizer.", "optimizer.params.", 1)) from None
+    return adam, (ParamGroup(deepspeed_muon_rule, optimizer=muon),)
+
+
+def _optimizer(ds: Mapping[str, Any]) -> tuple[Any, tuple[ParamGroup, ...]]:
+    """The optimizer record of the ``optimizer`` section (DeepSpeed's names for Adam, AdamW, SGD,
+    Lion, Adagrad and Muon, case-insensitive, each with its own ``params``), and the parameter
+    groups it implies (Muon's matrices)."""
     sec = _section(ds, "optimizer")
     kind = str(sec.get("type", "AdamW"))
     params = dict(sec.get("params") or {})
+    if kind.lower() == "muon":
+        return _muon(params)
     if "max_grad_norm" in params:
         raise ConfigError("optimizer.params.max_grad_norm: not supported; use the top-level gradient_clipping")
     record, accepted = {"adam": (AdamConfig, _ADAM_KEYS), "adamw": (AdamConfig, _ADAM_KEYS),
@@ -222,7 +270,8 @@ def _optimizer(ds: Mapping[str, Any]) -> Any:
                         "adagrad": (AdagradConfig, {"lr", "lr_decay", "weight_decay", "eps",
                                                     "initial_accumulator_value"})}.get(kind.lower(), (None, None))
     if record is None:
-        raise _err("optimizer.type", '"Adam", "AdamW", "SGD", "Lion" or "Adagrad" (what zfunc implements)', kind)
+        raise _err("optimizer.type", '"Adam", "AdamW", "SGD", "Lion", "Adagrad" or "Muon" (what zfunc implements)',
+                   kind)
     if record is AdamConfig:
         # DeepSpeed: "Adam" means AdamW unless adam_w_mode is false.
         decoupled = _bool(params.pop("adam_w_mode", True), "optimizer.params.adam_w_mode") if kind.lower() == "adam" else True
@@ -239,7 +288,7 @@ def _optimizer(ds: Mapping[str, Any]) -> Any:
     if "nesterov" in params:
         _bool(params["nesterov"], "optimizer.params.nesterov")
     try:
-        return record(**params)
+        return record(**params), ()
     except ConfigError as e:
         raise ConfigError(str(e).replace("optimizer.", "optimizer.params.", 1)) from None
 
@@ -372,7 +421,11 @@ def translate(ds: Mapping[str, Any] | str | os.PathLike,
     clip = _number(ds, "", "gradient_clipping", 1.0)
     persist = int(_number(zero, "zero_optimization", "stage3_param_persistence_threshold", 100_000))
     shard_size = _shard_size(zero, stage)
-    optimizer = _optimizer(ds)
+    optimizer, groups = _optimizer(ds)
+    if groups and _section(ds, "scheduler").get("type", "WarmupCosineLR") != "WarmupCosineLR":
+        raise _err("scheduler.type", "WarmupCosineLR with Muon (DeepSpeed's WarmupLR and WarmupDecayLR set the Muon "
+                   "and Adam halves to one learning rate; WarmupCosineLR scales each half's own)",
+                   _section(ds, "scheduler")["type"])
 
     fp16, bf16 = _section(ds, "fp16"), _section(ds, "bf16") or _section(ds, "bfloat16")
     auto = _section(ds, "torch_autocast")
@@ -417,7 +470,8 @@ def translate(ds: Mapping[str, Any] | str | os.PathLike,
     types = _section(ds, "data_types")
     accum = _dtype(types["grad_accum_dtype"], "data_types.grad_accum_dtype") if types.get("grad_accum_dtype") else master
     comm_dtype = ds.get("communication_data_type")
-    fields = dict(stage=stage, precision=precision, optimizer=optimizer, grad_accum=sizes.grad_accum,
+    fields = dict(stage=stage, precision=precision, optimizer=optimizer, param_groups=groups,
+                  grad_accum=sizes.grad_accum,
                   clip=clip or None, loss_scale=loss_scale, master_dtype=master, moment_dtype=moments,
                   grad_accum_dtype=accum,
                   comm_dtype=_dtype(comm_dtype, "communication_data_type") if comm_dtype else None,

@@ -3,6 +3,8 @@ model become a `zfunc.Engine`; ``init_distributed`` and ``add_config_arguments``
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -59,11 +61,18 @@ def initialize(model: torch.nn.Module, config: Mapping[str, Any] | str | os.Path
         fields, batch = translate(ds, world_size=group.size)
         cfg = Config(**fields)
         managed = ds.get("managed_gradient_accumulation", True)  # an engine setting (checked by translate)
-    if optimizer is not None and not isinstance(optimizer, (*OPTIMIZERS, torch.optim.Optimizer)):
-        raise ConfigError(f"optimizer: expected None, a zfunc optimizer (zfunc.adamw(...), sgd, lion, adagrad), or a "
-                          f"torch.optim.Adam/AdamW/SGD/Adagrad, got {type(optimizer).__name__}")
+    several = isinstance(optimizer, (list, tuple)) and all(isinstance(o, torch.optim.Optimizer) for o in optimizer)
+    if optimizer is not None and not (several or isinstance(optimizer, (*OPTIMIZERS, torch.optim.Optimizer))):
+        raise ConfigError(f"optimizer: expected None, a zfunc optimizer (zfunc.adamw(...), sgd, lion, adagrad, muon), "
+                          f"a torch.optim.Adam/AdamW/SGD/Adagrad/Muon or a list of them, got {type(optimizer).__name__}")
     plan = plan_groups(model, cfg.optimizer, optimizer=optimizer, model_parameters=model_parameters)
-    if plan.dicts is not None:
+    if cfg.param_groups and plan.dicts is not None:  # DeepSpeed's Muon config made its groups
+        if optimizer is not None or len(plan.groups) > 1 or plan.groups[0].values():
+            raise ConfigError("optimizer: DeepSpeed's Muon config splits the parameters itself; pass no optimizer "
+                              "and model_parameters as a plain list (no group dicts), or build a zfunc.Config with "
+                              "zfunc.ParamGroup(..., optimizer=zfunc.muon(...))")
+        cfg, plan = cfg.replace(freeze=plan.freeze), dataclasses.replace(plan, dicts=None)
+    elif plan.dicts is not None:
         cfg = cfg.replace(optimizer=plan.optimizer, param_groups=plan.groups, freeze=plan.freeze)
     elif isinstance(optimizer, OPTIMIZERS):
         cfg = cfg.replace(optimizer=optimizer)

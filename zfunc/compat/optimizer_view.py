@@ -1,7 +1,8 @@
 """The optimizer side of the DeepSpeed shim.
 
 `plan_groups` turns what ``deepspeed.initialize`` accepts (a torch optimizer with any number of
-parameter groups, or ``model_parameters`` as parameters or group dicts) into zfunc's optimizer,
+parameter groups, a list of them such as ``[Muon(matrices), AdamW(rest)]``, or
+``model_parameters`` as parameters or group dicts) into zfunc's optimizer,
 `zfunc.ParamGroup`s and the parameters left frozen. `OptimizerView` is the optimizer
 ``initialize`` returns: a ``torch.optim.Optimizer`` whose ``param_groups`` are live (setting
 ``lr``, ``weight_decay``, ``betas`` or ``eps`` takes effect at the next step and is kept in the
@@ -16,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from zfunc.core import opt_state
 from zfunc.errors import ConfigError
-from zfunc.core.optim import OPTIMIZERS, AdagradConfig, AdamConfig, ParamGroup, SGDConfig
+from zfunc.core.optim import OPTIMIZERS, AdagradConfig, AdamConfig, MuonConfig, ParamGroup, SGDConfig
 
 if TYPE_CHECKING:
     from zfunc.compat.engine import Engine
@@ -28,10 +30,12 @@ HYPER_KEYS = ("lr", "weight_decay", "betas", "eps", "momentum", "dampening", "lr
 # torch optimizer group keys that change nothing at these values (or are bookkeeping).
 _NEUTRAL = {"amsgrad": (False,), "maximize": (False,), "foreach": (None, False, True), "capturable": (False,),
             "differentiable": (False,), "fused": (None, False, True)}
-_BOOKKEEPING = {"initial_lr", "name", "decoupled_weight_decay", "nesterov", "initial_accumulator_value"}
+_BOOKKEEPING = {"initial_lr", "name", "decoupled_weight_decay", "nesterov", "initial_accumulator_value",
+                "ns_coefficients", "ns_steps", "adjust_lr_fn"}
 # The torch optimizers zfunc maps, and the keys that must agree across their groups.
 _TORCH = {torch.optim.Adam: ("adam", ()), torch.optim.AdamW: ("adam", ()), torch.optim.SGD: ("sgd", ("nesterov",)),
-          torch.optim.Adagrad: ("adagrad", ("initial_accumulator_value",))}
+          torch.optim.Adagrad: ("adagrad", ("initial_accumulator_value",)),
+          torch.optim.Muon: ("muon", ("nesterov", "ns_coefficients", "ns_steps", "adjust_lr_fn"))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,12 +82,18 @@ def plan_groups(model: torch.nn.Module, base: Any, *, optimizer: Any = None,
         model_parameters = None  # as DeepSpeed: a client optimizer brings its own parameters
     if isinstance(optimizer, OPTIMIZERS):
         base, optimizer = optimizer, None
+    own: list[Any] = []  # each dict's own optimizer (None: the base)
     if optimizer is not None:
-        if type(optimizer) not in _TORCH:
-            raise ConfigError(f"optimizer: zfunc maps torch.optim.Adam, AdamW, SGD and Adagrad (or zfunc.adamw, sgd, "
-                              f"lion, adagrad records); got {type(optimizer).__name__}")
-        dicts, where, torch_defaults = optimizer.param_groups, "optimizer.param_groups", True
-        base = _from_torch(optimizer)
+        several = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        odd = [type(o).__name__ for o in several if type(o) not in _TORCH]
+        if odd or not several:
+            raise ConfigError(f"optimizer: zfunc maps torch.optim.Adam, AdamW, SGD, Adagrad and Muon (one, or a list "
+                              f"of them, e.g. [Muon(matrices), AdamW(rest)]), or a zfunc optimizer record; got "
+                              f"{odd or 'an empty list'}")
+        base = _from_torch(several[0])
+        dicts = [d for o in several for d in o.param_groups]
+        own = [None if j == 0 else _from_torch(o) for j, o in enumerate(several) for _ in o.param_groups]
+        where, torch_defaults = "optimizer.param_groups", True
     elif model_parameters is not None:
         given = list(model_parameters)
         if given and all(isinstance(g, dict) for g in given):
@@ -98,7 +108,8 @@ def plan_groups(model: torch.nn.Module, base: Any, *, optimizer: Any = None,
         return GroupPlan(base, (), (), None)
     groups, seen = [], {}
     for i, g in enumerate(dicts):
-        _check_keys(g, i, where, torch_defaults, base)
+        opt = (own[i] if own else None) or base
+        _check_keys(g, i, where, torch_defaults, opt)
         params = g.get("params")
         params = [params] if isinstance(params, torch.Tensor) else list(params or [])
         chosen = []
@@ -113,8 +124,8 @@ def plan_groups(model: torch.nn.Module, base: Any, *, optimizer: Any = None,
                 continue
             if names[id(p)] not in chosen:
                 chosen.append(names[id(p)])
-        values = {k: (tuple(g[k]) if k == "betas" else g[k]) for k in HYPER_KEYS if k in g and k in _reads(base)}
-        groups.append(ParamGroup(tuple(chosen), **values))
+        values = {k: (tuple(g[k]) if k == "betas" else g[k]) for k in HYPER_KEYS if k in g and k in _reads(opt)}
+        groups.append(ParamGroup(tuple(chosen), **values, optimizer=own[i] if own else None))
     listed = {names[i] for i in seen}
     freeze = tuple(n for n, p in model.named_parameters() if p.requires_grad and n not in listed)
     if optimizer is None:  # group dicts from model_parameters: show torch-style dicts with every key
@@ -153,6 +164,10 @@ def _from_torch(optimizer: torch.optim.Optimizer) -> Any:
     if kind == "sgd":
         return SGDConfig(lr=float(g0["lr"]), momentum=g0["momentum"], dampening=g0["dampening"],
                          weight_decay=g0["weight_decay"], nesterov=bool(g0["nesterov"]))
+    if kind == "muon":
+        return MuonConfig(lr=float(g0["lr"]), weight_decay=g0["weight_decay"], momentum=g0["momentum"],
+                          nesterov=bool(g0["nesterov"]), ns_coefficients=tuple(g0["ns_coefficients"]), eps=g0["eps"],
+                          ns_steps=g0["ns_steps"], adjust_lr_fn=g0["adjust_lr_fn"])
     return AdagradConfig(lr=float(g0["lr"]), lr_decay=g0["lr_decay"], weight_decay=g0["weight_decay"], eps=g0["eps"],
                          initial_accumulator_value=g0["initial_accumulator_value"])
 
@@ -169,10 +184,10 @@ class OptimizerView(torch.optim.Optimizer):
     def __init__(self, engine: Engine, dicts: list[dict[str, Any]] | None):
         self._engine = engine
         hyper = engine.state.hyper
-        if dicts is None:  # one group: every trained parameter, the optimizer's own values
-            named = dict(engine.module.named_parameters())
-            dicts = [{"params": [named[n] for n in engine.state.layout.names]}]
-            self.index = [0]
+        if dicts is None:  # a dict per zfunc group holding parameters (one unless the config made groups)
+            named, lay = dict(engine.module.named_parameters()), engine.state.layout
+            self.index = list(lay.groups)
+            dicts = [{"params": [named[n] for n in lay.names if lay.group_of[n] == g]} for g in self.index]
         else:
             self.index = list(range(1, hyper.lr.numel()))
         self._shared = dicts  # the user's torch optimizer's dicts, when one was given (its schedulers write there)
@@ -184,18 +199,18 @@ class OptimizerView(torch.optim.Optimizer):
         """Show the state's hyperparameters (and the learning rates a schedule computed) in the dicts."""
         from zfunc.core.update import learning_rates
 
-        h, opt = self._engine.state.hyper, self._engine.config.optimizer
+        h = self._engine.state.hyper
         scheduled = self._engine.config.lr_schedule is not None
         lrs = learning_rates(self._engine.state).tolist() if scheduled else h.lr.tolist()
         for d, g in zip(self.param_groups, self.index):
-            d.update(_torch_values({n: getattr(h, n)[g].item() for n in opt.live}), lr=lrs[g])
+            d.update(_torch_values({n: getattr(h, n)[g].item() for n in self._optimizer(g).live}), lr=lrs[g])
         self._written = [d["lr"] for d in self.param_groups]
 
     def changes(self) -> list[tuple[int, dict[str, Any]]]:
         """``(zfunc group, values)`` for each group whose dict differs from the state."""
-        h, opt, out = self._engine.state.hyper, self._engine.config.optimizer, []
+        h, out = self._engine.state.hyper, []
         for k, (d, g) in enumerate(zip(self.param_groups, self.index)):
-            have = _torch_values({n: getattr(h, n)[g].item() for n in opt.live})
+            have = _torch_values({n: getattr(h, n)[g].item() for n in self._optimizer(g).live})
             now = {key: (tuple(d[key]) if key == "betas" else d[key]) for key in have}
             if self._engine.config.lr_schedule is not None:
                 if d["lr"] != self._written[k]:
@@ -206,6 +221,11 @@ class OptimizerView(torch.optim.Optimizer):
             if diff:
                 out.append((g, diff))
         return out
+
+    def _optimizer(self, group: int) -> Any:
+        """The zfunc optimizer stepping ``group``."""
+        cfg = self._engine.config
+        return opt_state.optimizers(cfg)[opt_state.optimizer_of(cfg)[group]]
 
     def step(self, closure: Any = None) -> None:  # noqa: D102 - see the class docstring
         raise RuntimeError("optimizer.step(): call engine.step(); it applies the optimizer step at the "
