@@ -315,17 +315,14 @@ def muon_main(args: argparse.Namespace) -> None:
     print(f"# machine: {platform.machine()}, {platform.processor() or '?'}, {os.cpu_count()} cores; torch "
           f"{torch.__version__}; {torch.get_num_threads()} threads; GPT matrices d_model={args.d_model}, "
           f"{args.layers} layers; median of {args.repeats}")
-    print("
-| Newton-Schulz in | matrices | parameters | zfunc Muon step ms | torch.optim.Muon ms | zfunc / torch |")
+    print("\n| Newton-Schulz in | matrices | parameters | zfunc Muon step ms | torch.optim.Muon ms | zfunc / torch |")
     print("|---|---|---|---|---|---|")
     for dtype in (torch.bfloat16, torch.float32):
         z, t, n = muon_step_times(args.d_model, args.layers, args.repeats, dtype)
         print(f"| {str(dtype)[6:]} | {4 * args.layers} | {n / 1e6:.2f}M | {z:.1f} | {t:.1f} | {z / t:.3f} |",
               flush=True)
-    print("
-Bytes a rank receives per model parameter in one step (GPT, vocab 32000, Muon on the block "
-          "matrices, AdamW on the rest)
-")
+    print("\nBytes a rank receives per model parameter in one step (GPT, vocab 32000, Muon on the block "
+          "matrices, AdamW on the rest)\n")
     print("| world | stage | Muon exchange B/param | ZeRO-1 AdamW step B/param | Muon extra / ZeRO-1 |")
     print("|---|---|---|---|---|")
     for world in (2, 4, 8):
