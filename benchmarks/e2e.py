@@ -667,6 +667,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
         import json
         with open(args.json, "w") as f:
             json.dump({"precision": args.precision, "grad_accum": args.grad_accum, "steps": args.steps,
+                       "interleave": args.interleave,
                        "results": {n: {k: r[k] for k in ("median", "min", "max", "cpu", "fwdbwd", "opt", "loss",
                                                          "steps", "faults")}
                                    | {"state_mib": r["state"][0]["total"] / 2**20} for n, r in results.items()}},

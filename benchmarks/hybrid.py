@@ -76,6 +76,11 @@ def _install_counters() -> None:
     comm.reduce_scatter_ = _counted("reduce_scatter", comm.reduce_scatter_, lambda a, o: size(a[0]))
     comm.reduce_ = _counted("reduce", comm.reduce_, lambda a, o: size(a[0]))
     comm.all_gather = _counted("all_gather", comm.all_gather, lambda a, o: size(o))
+    comm.all_gather_start = _counted("all_gather", comm.all_gather_start, lambda a, o: size(o[0]))
+    comm.reduce_scatter_start = _counted("reduce_scatter", comm.reduce_scatter_start, lambda a, o: size(a[0]))
+    comm.all_reduce_start = _counted("all_reduce", comm.all_reduce_start, lambda a, o: size(a[0]))
+    comm.all_gather_range_start = _counted("all_gather", comm.all_gather_range_start,
+                                           lambda a, o: (a[2] - a[1]) * a[0].element_size())
     comm.all_gather_into = _counted("all_gather_into", comm.all_gather_into, lambda a, o: size(o))
     comm.broadcast = _counted("broadcast", comm.broadcast, lambda a, o: size(o))
 

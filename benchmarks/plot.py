@@ -1,7 +1,7 @@
 """Bar chart of step time per contender from ``e2e.py --json`` files (one panel per file);
 whiskers span the middle half of the steps (quartiles) where the file has them.
 
-    python benchmarks/plot.py benchmarks/e2e_fp32.json benchmarks/e2e_bf16.json -o benchmarks/e2e.png
+    python benchmarks/plot.py benchmarks/results/<date>-<commit>/e2e_fp32.json -o benchmarks/e2e.png
 """
 
 from __future__ import annotations
@@ -34,12 +34,14 @@ def main(argv: list[str] | None = None) -> None:
             quart = [statistics.quantiles(run["results"][n]["steps"], n=4) for n in names]
             spread = [[m - q[0] for m, q in zip(med, quart)], [q[2] - m for m, q in zip(med, quart)]]
         ax.bar(names, med, color=colors, yerr=spread, capsize=3, ecolor="#333333")
-        ax.set_title(f"{run['precision']}, grad_accum {run['grad_accum']} (median of {run['steps']} steps, quartiles)")
+        mode = {True: ", interleaved", False: ", a world each"}.get(run.get("interleave"), "")
+        ax.set_title(f"{run['precision']}, grad_accum {run['grad_accum']}{mode} (median of {run['steps']} steps, "
+                     "quartiles)")
         ax.set_ylabel("s/step, slowest rank")
         ax.tick_params(axis="x", rotation=45)
         for i, m in enumerate(med):  # inside the bar, clear of the whiskers
             ax.text(i, m * 0.03, f"{m:.2f}", ha="center", va="bottom", fontsize=8, color="white")
-    fig.suptitle("zfunc (blue), DeepSpeed 0.19.8 (orange), torch DDP/FSDP2 (grey): one interleaved gloo world of 2")
+    fig.suptitle("zfunc (blue), DeepSpeed 0.19.8 (orange), torch DDP/FSDP2 (grey): 2 gloo ranks, GPT 4 x 512")
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
     print(args.out)

@@ -84,3 +84,21 @@ def test_the_reliability_table_points_at_tests_that_exist():
         assert f"def {name}(" in source, f"{module}::{name}"
     for name in short:
         assert any(f"def {name}(" in p.read_text() for p in (root / "tests").glob("test_*.py")), name
+
+
+_ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+_PAGES = sorted([*_ROOT.glob("*.md"), *(_ROOT / "docs").glob("*.md"), *(_ROOT / "benchmarks").glob("*.md")])
+_TOP = ("benchmarks", "docs", "zfunc", "zfunc_kernels", "tests", "examples", "scripts")
+_PATH = __import__("re").compile(r"`((?:%s)/[\w./-]*\w)`" % "|".join(_TOP))
+_LINK = __import__("re").compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+@pytest.mark.parametrize("page", _PAGES, ids=[str(p.relative_to(_ROOT)) for p in _PAGES])
+def test_every_file_a_page_names_exists(page):
+    """A path in backticks (`benchmarks/overhead.py`) is relative to the repository; a link
+    ([text](other.md), ![plot](e2e.png)) relative to the page."""
+    text = page.read_text()
+    missing = [p for p in _PATH.findall(text) if not (_ROOT / p).exists()]
+    missing += [link for link in _LINK.findall(text)
+                if "://" not in link and not link.startswith("mailto:") and not (page.parent / link).exists()]
+    assert not missing, f"{page.relative_to(_ROOT)} names files that do not exist: {missing}"

@@ -48,7 +48,7 @@ _SECTION_KEYS = {
     "bf16": {"enabled", "bf16_master_weights_and_grads", "bf16_optimizer_states", "check_grad_overflow",
              "immediate_grad_update"},
     "torch_autocast": {"enabled", "dtype"},
-    "data_types": {"grad_accum_dtype"},
+    "data_types": {"grad_accum_dtype", "param_dtype", "buffer_dtype", "keep_in_fp32_modules"},
 }
 _ZERO_HARMLESS = {"contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "allgather_bucket_size",
                   "overlap_comm", "allgather_partitions", "round_robin_gradients", "sub_group_size",
@@ -469,6 +469,18 @@ def translate(ds: Mapping[str, Any] | str | os.PathLike,
             loss_scale = DynamicLossScale()
     types = _section(ds, "data_types")
     accum = _dtype(types["grad_accum_dtype"], "data_types.grad_accum_dtype") if types.get("grad_accum_dtype") else master
+    compute = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
+    if types.get("param_dtype") is not None and _dtype(types["param_dtype"], "data_types.param_dtype") != compute:
+        raise _err("data_types.param_dtype", f"the enabled precision's dtype ({str(compute)[6:]}; DeepSpeed refuses "
+                   "another too): set it to match fp16/bf16 'enabled', or leave it out", types["param_dtype"])
+    buffers = _dtype(types["buffer_dtype"], "data_types.buffer_dtype") if types.get("buffer_dtype") else None
+    if buffers is not None and types.get("keep_in_fp32_modules", "auto") != []:
+        raise _err("data_types.keep_in_fp32_modules", "[] with data_types.buffer_dtype (zfunc casts every floating "
+                   "buffer to buffer_dtype; keep buffers in their own dtype by leaving buffer_dtype out)",
+                   types.get("keep_in_fp32_modules", "auto"))
+    if types.get("keep_in_fp32_modules", "auto") not in ("auto", []):
+        raise _err("data_types.keep_in_fp32_modules", '"auto" or [] (without buffer_dtype every buffer keeps its '
+                   "own dtype already)", types["keep_in_fp32_modules"])
     comm_dtype = ds.get("communication_data_type")
     fields = dict(stage=stage, precision=precision, optimizer=optimizer, param_groups=groups,
                   grad_accum=sizes.grad_accum,
@@ -477,5 +489,5 @@ def translate(ds: Mapping[str, Any] | str | os.PathLike,
                   comm_dtype=_dtype(comm_dtype, "communication_data_type") if comm_dtype else None,
                   autocast=autocast, lr_schedule=_scheduler(ds, optimizer.lr), persist_threshold=persist,
                   shard_size=shard_size, offload_optimizer=offload, offload_pin_memory=pin,
-                  grad_reduce=_reduce_op(ds.get("gradient_allreduce_op", "mean")))
+                  grad_reduce=_reduce_op(ds.get("gradient_allreduce_op", "mean")), buffer_dtype=buffers)
     return fields, sizes

@@ -34,12 +34,12 @@ class Config:
             2: also gradients; 3: also parameters).
         precision: compute dtype of the model: ``"fp32"``, ``"fp16"`` or ``"bf16"``.
         optimizer: `zfunc.adamw(...)` (the default, lr 1e-3), `zfunc.adam`, `zfunc.sgd`,
-            `zfunc.lion` or `zfunc.adagrad`.
+            `zfunc.lion`, `zfunc.adagrad` or `zfunc.muon` (for 2-D parameters only).
         grad_accum: micro-batches per optimizer step.
         clip: global-norm clipping threshold; ``None`` or ``0`` disables.
         loss_scale: `DynamicLossScale`, a float (static) or ``None`` (no scaling).
         master_dtype: dtype of the master parameters.
-        moment_dtype: dtype of the Adam moments.
+        moment_dtype: dtype of the optimizers' moments.
         grad_accum_dtype: dtype of the gradient accumulator.
         comm_dtype: dtype gradients are reduced in (default: ``grad_accum_dtype``).
         autocast: a dtype to run forward under `torch.autocast`, or ``None``.
@@ -51,8 +51,8 @@ class Config:
             parameters must then be used inside its module's forward only, as at stage 3.
             ``None`` at stages 1-2: gathered before `zfunc.apply_step` returns.
         param_groups: `zfunc.ParamGroup`s giving some parameters their own learning rate, weight
-            decay, betas or eps (group ``i + 1``; parameters in none are group 0, the
-            optimizer's own).
+            decay, betas or eps, or their own optimizer (group ``i + 1``; parameters in none are
+            group 0, the optimizer's own).
         freeze: names of parameters to keep fixed besides those with ``requires_grad=False``
             (what a DeepSpeed ``model_parameters`` list leaves out); the module is not changed.
         persist_threshold: stage 3: parameters of at most this many elements stay in the root
@@ -77,6 +77,10 @@ class Config:
             prefetch); each costs one unit of memory. 0 gathers a unit when its module starts.
         offload_pin_memory: page-lock the host arena when the compute device is CUDA (faster,
             asynchronous copies; DeepSpeed's ``offload_optimizer.pin_memory``).
+        buffer_dtype: the dtype of the model's floating buffers (BatchNorm statistics, rotary
+            tables): ``"compute"`` (the default) casts them to the compute dtype, as
+            ``model.bfloat16()`` does; ``None`` keeps each buffer's own dtype (DeepSpeed 0.19's
+            default, FSDP2's); a dtype casts them to it (DeepSpeed's ``data_types.buffer_dtype``).
         grad_reduce: ``"mean"``: the gradient is averaged over the data-parallel ranks (DDP's,
             FSDP2's and DeepSpeed's default); ``"sum"``: summed over them (DeepSpeed's
             ``gradient_allreduce_op: "sum"``). Micro-batches are averaged either way.
@@ -113,6 +117,7 @@ class Config:
     bucket_mb: float = 25.0
     prefetch: int = 1
     grad_reduce: str = "mean"
+    buffer_dtype: torch.dtype | str | None = "compute"
 
     def __post_init__(self) -> None:
         check(self.stage in (0, 1, 2, 3) and not isinstance(self.stage, bool),
@@ -162,6 +167,8 @@ class Config:
         check(isinstance(self.freeze, (list, tuple, set, frozenset)) and all(isinstance(n, str) for n in self.freeze),
               "freeze", "a list of parameter names", self.freeze)
         object.__setattr__(self, "freeze", tuple(self.freeze))
+        check(self.buffer_dtype in ("compute", None, torch.float32, torch.bfloat16, torch.float16), "buffer_dtype",
+              '"compute", None (keep each buffer\'s dtype) or torch.float32, bfloat16 or float16', self.buffer_dtype)
         if self.units is not None and self.stage == 0:
             raise ConfigError("units: stage 0 gathers nothing (every rank holds all parameters); leave units "
                               "unset, or use stage 1, 2 or 3")
@@ -176,6 +183,19 @@ class Config:
     def compute_dtype(self) -> torch.dtype:
         """The dtype the model computes in (from ``precision``)."""
         return _PRECISIONS[self.precision]
+
+    def buffer_dtype_of(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a buffer of ``dtype`` is kept in (`buffer_dtype`; non-float buffers keep theirs).
+
+        Examples:
+            >>> import torch, zfunc
+            >>> cfg = zfunc.Config(precision="bf16")
+            >>> cfg.buffer_dtype_of(torch.float32), cfg.replace(buffer_dtype=None).buffer_dtype_of(torch.float32)
+            (torch.bfloat16, torch.float32)
+        """
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16) or self.buffer_dtype is None:
+            return dtype
+        return self.compute_dtype if self.buffer_dtype == "compute" else self.buffer_dtype
 
     @property
     def shards_grads(self) -> bool:

@@ -375,7 +375,8 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
             keep(i, trainable)
         buffers_of = dict(model.named_buffers())
     frozen = {n: replicated(p) for n, p in named.items() if n not in trainable}
-    buffers = {n: replicated(b) for n, b in buffers_of.items()}
+    buffers = {n: comm.broadcast(b.detach(), 0, group).to(cfg.buffer_dtype_of(b.dtype))
+               for n, b in buffers_of.items()}
     if weights is not None:
         read_weights(open_weights(weights, weights_map), layout, cfg.stage, pieces, {**frozen, **buffers})
     params, compute = place_master(master, cfg, layout, mesh)
