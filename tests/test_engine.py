@@ -223,7 +223,7 @@ def test_deepspeed_batch_table_at_world_two(tbs, mbs, gas, ok):
     ({"train_batch_size": 0}, r"train_batch_size: expected a positive integer"),
     ({"train_batch_size": 8, "gradient_clipping": -1}, r"gradient_clipping: expected a finite number >= 0"),
     ({"train_batch_size": 8, "zero_optimization": {"stage": 4}}, r"zero_optimization.stage: expected one of"),
-    ({"train_batch_size": 8, "optimizer": {"type": "Lamb"}}, r'optimizer.type: expected "Adam", "AdamW", "SGD", "Lion" or "Adagrad"'),
+    ({"train_batch_size": 8, "optimizer": {"type": "Lamb"}}, r'optimizer.type: expected "Adam", "AdamW", "SGD", "Lion", "Adagrad" or "Muon"'),
     ({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}}, "max_grad_norm"),
     ({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": -1}}}, r"^optimizer\.params\.lr: "),
     ({"train_batch_size": 8, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, "enable one of them"),
