@@ -142,13 +142,10 @@ def muon_step(opt, optimizer_runs: tuple[Run, ...], master: torch.Tensor, grad: 
     u = torch.zeros(n, dtype=torch.float32, device=master.device)
     one = torch.ones((), dtype=torch.float32, device=master.device)
 
-    def part(t: torch.Tensor | None, r: Run) -> torch.Tensor | None:
-        return None if t is None else t.narrow(0, r.start, r.length)
-
     for r in optimizer_runs:
         s = scalars._replace(step=scalars.step.clone(), lr=lrs[r.group])
         hyper = zfunc_kernels.MuonMomentumHyper(table["momentum"][r.group], opt.nesterov)
-        zfunc_kernels.fused_muon_momentum(u.narrow(0, r.at, r.length), part(grad, r),
+        zfunc_kernels.fused_muon_momentum(u.narrow(0, r.at, r.length), r.part(grad),
                                           momentum_buffer.narrow(0, r.at, r.length), s, hyper)
     p = plan(layout, full, optimizer_runs)
     gathered = None
@@ -175,6 +172,6 @@ def muon_step(opt, optimizer_runs: tuple[Run, ...], master: torch.Tensor, grad: 
         o.narrow(0, at, length).copy_(piece).mul_(opt.lr_ratio(m.shape))
     for r in optimizer_runs:
         s = scalars._replace(step=scalars.step.clone(), lr=lrs[r.group], inv_scale=one, clip_coef=one)
-        zfunc_kernels.fused_muon_apply(part(master, r), o.narrow(0, r.at, r.length), s,
+        zfunc_kernels.fused_muon_apply(r.part(master), o.narrow(0, r.at, r.length), s,
                                        zfunc_kernels.MuonApplyHyper(table["weight_decay"][r.group]),
-                                       compute=part(compute, r))
+                                       compute=r.part(compute))

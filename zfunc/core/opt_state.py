@@ -36,6 +36,10 @@ class Run:
     length: int
     at: int
 
+    def part(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """This run's part of an arena-shaped ``t`` (``None`` stays ``None``)."""
+        return None if t is None else t.narrow(0, self.start, self.length)
+
 
 def optimizers(cfg: Config) -> tuple[Any, ...]:
     """Each optimizer of the run: `Config.optimizer`, then each group's own, in group order.

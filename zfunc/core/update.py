@@ -254,9 +254,9 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
                       state.stage == 0, state.mesh.shard)
         else:
             for r in runs:
-                opt.fused(_run(master, r), _run(grad, r), [m.narrow(0, r.at, r.length) for m in moments],
+                opt.fused(r.part(master), r.part(grad), [m.narrow(0, r.at, r.length) for m in moments],
                           scalars._replace(step=record.count.clone(), lr=k_lrs[r.group]),  # a pass bumps its copy
-                          {name: values[r.group] for name, values in table.items()}, _run(compute_out, r))
+                          {name: values[r.group] for name, values in table.items()}, r.part(compute_out))
         count = record.count + (k_skip == 0).to(record.count.dtype)
         records.append(opt.state_class(**dict(zip(opt.moments, moments)), count=count))
 
@@ -285,11 +285,6 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
     if donate:
         donate_(state, "apply_step")
     return new
-
-
-def _run(t: torch.Tensor | None, r: opt_state.Run) -> torch.Tensor | None:
-    """Run ``r``'s part of an arena-shaped ``t``."""
-    return None if t is None else t.narrow(0, r.start, r.length)
 
 
 def _clone(t: torch.Tensor) -> torch.Tensor:
