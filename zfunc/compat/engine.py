@@ -29,7 +29,7 @@ from zfunc.autograd.buckets import Fold
 from zfunc.io.checkpoint import exists, load, read_extra, save
 from zfunc.io.deepspeed_checkpoint import is_deepspeed_checkpoint, read_deepspeed
 from zfunc.core.config import Config
-from zfunc.core.create import full_params, init
+from zfunc.core.create import full_params, init, masters_from_compute
 from zfunc.compat.deepspeed_config import BatchSizes
 from zfunc.errors import ConfigError
 from zfunc.autograd.forward_gather import settle
@@ -65,7 +65,7 @@ class Engine(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, cfg: Config, *, group: comm.Group | None = None,
                  batch: BatchSizes | None = None, optimizer_groups: list[dict[str, Any]] | None = None,
-                 lr_scheduler: Any = None, managed: bool = True):
+                 lr_scheduler: Any = None, managed: bool = True, deepspeed_masters: bool = False):
         super().__init__()
         # DeepSpeed's managed_gradient_accumulation: false makes every step() the boundary, after
         # however many backwards the caller ran (the caller owns the boundary).
@@ -82,7 +82,10 @@ class Engine(torch.nn.Module):
         self._boundary: bool | None = None
         self._applied = False
         self._pending_loss: torch.Tensor | None = None
-        self.state = init(model, cfg, group, donate=cfg.stage == 3)
+        state = init(model, cfg, group, donate=cfg.stage == 3)
+        if deepspeed_masters and cfg.master_dtype != cfg.compute_dtype:  # DeepSpeed: masters of the cast model
+            state = state.replace(params=masters_from_compute(state))
+        self.state = state
         # engine.module(x) is engine(x): calls of the module run on the state, gradients included.
         # The engine keeps the binding whose hooks route them (a state assigned later may have another).
         self._router = self._state.binding

@@ -77,7 +77,7 @@ def initialize(model: torch.nn.Module, config: Mapping[str, Any] | str | os.Path
     elif isinstance(optimizer, OPTIMIZERS):
         cfg = cfg.replace(optimizer=optimizer)
     engine = Engine(model, cfg, group=group, batch=batch, optimizer_groups=plan.dicts, lr_scheduler=lr_scheduler,
-                    managed=managed)
+                    managed=managed, deepspeed_masters=not isinstance(config, Config))
     return engine, engine.optimizer, None, engine.lr_scheduler
 
 

@@ -253,6 +253,24 @@ def place_master(master: torch.Tensor, cfg: Config, layout: Layout, mesh: Mesh) 
     return host.copy_(master), compute
 
 
+def masters_from_compute(state: TrainState) -> torch.Tensor:
+    """Master weights equal to ``state``'s compute-dtype weights, widened: what DeepSpeed's fp32
+    masters start as, since it casts the model to bf16/fp16 before it builds them (the engine
+    under a DeepSpeed config uses these; `zfunc.init` keeps the model's own fp32 values).
+
+    Examples:
+        >>> import torch, zfunc
+        >>> state = zfunc.init(torch.nn.Linear(3, 1), zfunc.Config(stage=1, precision="bf16"))
+        >>> rounded = masters_from_compute(state)
+        >>> torch.equal(rounded, state.params.bfloat16().float()), rounded.dtype
+        (True, torch.float32)
+    """
+    src = state.compute if state.stage in (0, 3) else master_view(state.compute, state.layout, state.stage)
+    p = state.params
+    out = torch.empty(p.shape, dtype=p.dtype, device=p.device, pin_memory=p.is_pinned())
+    return out.copy_(src)
+
+
 def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *,
          donate: bool = False, init_fn: Callable[[torch.nn.Module], None] | None = None,
          device: torch.device | str | None = None, weights: str | os.PathLike | None = None,
