@@ -29,6 +29,7 @@ from zfunc.autograd.buckets import Fold
 from zfunc.io.checkpoint import exists, load, read_extra, save
 from zfunc.io.deepspeed_checkpoint import is_deepspeed_checkpoint, read_deepspeed
 from zfunc.core.config import Config
+from zfunc.compat.engine_config import ConfigAccessors
 from zfunc.core.create import full_params, init, masters_from_compute
 from zfunc.compat.deepspeed_config import BatchSizes
 from zfunc.errors import ConfigError
@@ -41,7 +42,7 @@ from zfunc.core.update import apply_step, learning_rates, set_hyperparams
 __all__ = ["Engine"]
 
 
-class Engine(torch.nn.Module):
+class Engine(ConfigAccessors, torch.nn.Module):
     """A DeepSpeed-compatible engine: ``engine(x)``, ``engine.backward(loss)``, ``engine.step()``.
 
     Like DeepSpeed's, the engine is an ``nn.Module`` wrapping the user's (``engine.module``):
@@ -340,41 +341,6 @@ class Engine(torch.nn.Module):
             return [float(d["lr"]) for d in self.optimizer.param_groups]
         lrs = learning_rates(self._state).tolist()
         return [lrs[g] for g in self.optimizer.index]
-
-    # -- DeepSpeed's read-only accessors ----------------------------------------------------
-    def train_batch_size(self) -> int | None:
-        return self._batch.train_batch_size if self._batch else None
-
-    def train_micro_batch_size_per_gpu(self) -> int | None:
-        return self._batch.micro_batch_size if self._batch else None
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.grad_accum
-
-    def zero_optimization_stage(self) -> int:
-        return self.config.stage
-
-    def fp16_enabled(self) -> bool:
-        return self.config.precision == "fp16"
-
-    def bfloat16_enabled(self) -> bool:
-        return self.config.precision == "bf16"
-
-    @property
-    def device(self) -> torch.device:
-        return self._state.device
-
-    @property
-    def global_rank(self) -> int:
-        return self._state.group.rank
-
-    @property
-    def world_size(self) -> int:
-        return self._state.group.size
-
-    @property
-    def local_rank(self) -> int:
-        return int(os.environ.get("LOCAL_RANK", self._state.group.rank))
 
     def get_global_grad_norm(self) -> float:
         """The global gradient norm of the last step (unscaled, before clipping)."""
