@@ -37,16 +37,23 @@ class _Scaled:
         return out
 
 
-def _torch_reference(name: str, world: int, *, schedule=None, bf16: bool = False) -> nn.Module:
+def _torch_reference(name: str, world: int, *, schedule=None, bf16: bool = False, cast_first: bool = False
+                     ) -> nn.Module:
     """Single-process torch.optim.AdamW with two groups, clipping, accumulation, on every rank's data.
 
     ``bf16``: mixed precision as zfunc's ``precision="bf16"`` defines it, written in plain torch:
     fp32 master weights (the optimizer's), a bf16 copy for forward and backward, the
     ``1 / (world * grad_accum)`` factor on the output's cotangent, gradients summed in fp32.
+    ``cast_first``: the masters start as the weights cast to bf16 (DeepSpeed's rule: it casts the
+    model, then builds its fp32 masters).
     """
     make, loss_fn, batch_fn = MODELS[name]
     torch.manual_seed(0)
     model = make()
+    if cast_first:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.bfloat16().float())
     decay, nodecay = _decay_split(model)
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": nodecay, "weight_decay": 0.0}],
                             lr=1e-2, betas=(0.9, 0.95))
@@ -147,7 +154,8 @@ def _hf_loop(rank: int, stage: int, precision: str = "fp32") -> float:
             engine.step()
     # DeepSpeed's WarmupDecayLR: update u uses the formula at max(u - 1, 0).
     formula = zfunc.schedules.warmup_decay_lr(6, 0.0, 1e-2, 2, "linear")
-    ref = _torch_reference("gpt", world, schedule=lambda u: formula(max(u - 1, 0)).item(), bf16=precision == "bf16")
+    ref = _torch_reference("gpt", world, schedule=lambda u: formula(max(u - 1, 0)).item(), bf16=precision == "bf16",
+                           cast_first=precision == "bf16")  # a DeepSpeed config: DeepSpeed's masters
     assert optimizer.param_groups[0]["lr"] == pytest.approx(formula(STEPS - 1).item())
     return _diff(zfunc.full_params(engine.state), ref)
 
