@@ -458,3 +458,15 @@ def test_coalesce_grad_reduction_is_one_step_over_the_blocks_backwards():
     with pytest.raises(zfunc.ConfigError, match="coalesce_grad_reduction: with managed_gradient_accumulation false"):
         with engine.coalesce_grad_reduction():
             pass
+
+
+def test_the_optimizer_answers_overflow_and_scale_as_deepspeeds():
+    """Hugging Face Accelerate reads ``optimizer.overflow`` for ``step_was_skipped``."""
+    engine, optimizer, *_ = zfunc.initialize(model=torch.nn.Linear(2, 1), config={
+        "train_batch_size": 1, "fp16": {"enabled": True, "initial_scale_power": 4, "hysteresis": 1}})
+    engine.backward(engine(torch.ones(1, 2, dtype=torch.float16)).float().sum())
+    engine.step()
+    assert optimizer.overflow is False and optimizer.loss_scale == engine.loss_scale == 16.0
+    engine.backward(engine(torch.full((1, 2), float("inf"), dtype=torch.float16)).float().sum())
+    engine.step()
+    assert optimizer.overflow is True and optimizer.cur_scale == engine.loss_scale == 8.0

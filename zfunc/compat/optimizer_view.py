@@ -179,6 +179,19 @@ class OptimizerView(torch.optim.Optimizer):
     groups). The engine reads the groups' ``lr``, ``weight_decay``, ``betas`` and ``eps`` at each
     optimizer step into the state (`zfunc.set_hyperparams`), and writes the state's values back
     after a checkpoint is loaded. Call ``engine.step()``, not ``optimizer.step()``.
+
+    What code written for DeepSpeed's ZeRO optimizers reads answers the same: ``overflow`` (the
+    last step was skipped for a non-finite gradient; Hugging Face Accelerate's
+    ``step_was_skipped`` reads it), ``loss_scale`` and ``cur_scale``.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> engine, optimizer, *_ = zfunc.initialize(model=torch.nn.Linear(2, 1), config={
+        ...     "train_batch_size": 1, "fp16": {"enabled": True, "initial_scale_power": 4}})
+        >>> _ = engine.backward(engine(torch.full((1, 2), float("inf"), dtype=torch.float16)).float().sum())
+        >>> engine.step()
+        >>> optimizer.overflow, optimizer.cur_scale, engine.was_step_applied()  # hysteresis 2: scale kept once
+        (True, 16.0, False)
     """
 
     def __init__(self, engine: Engine, dicts: list[dict[str, Any]] | None):
@@ -230,6 +243,18 @@ class OptimizerView(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:  # noqa: D102 - see the class docstring
         raise RuntimeError("optimizer.step(): call engine.step(); it applies the optimizer step at the "
                            "gradient accumulation boundary")
+
+    @property
+    def overflow(self) -> bool:
+        """Whether the last step was skipped for a non-finite gradient (DeepSpeed's name)."""
+        return bool(self._engine.state.metrics.skipped.item())
+
+    @property
+    def loss_scale(self) -> float:
+        """The loss scale of the next step (1.0 without fp16 scaling)."""
+        return self._engine.state.scaler.scale.item()
+
+    cur_scale = loss_scale
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients accumulated since the last step (``engine.zero_grad()``)."""
