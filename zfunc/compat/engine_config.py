@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zfunc.core.opt_state import optimizers
+from zfunc.core.scaler import DynamicLossScale
 
 if TYPE_CHECKING:
     from zfunc.compat.deepspeed_config import BatchSizes
@@ -94,7 +95,6 @@ class ConfigAccessors:
         return self.config.autocast
 
     def dynamic_loss_scale(self) -> bool:
-        from zfunc.core.scaler import DynamicLossScale
         return isinstance(self.config.loss_scale, DynamicLossScale)
 
     @property
