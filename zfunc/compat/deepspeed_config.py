@@ -481,12 +481,14 @@ def translate(ds: Mapping[str, Any] | str | os.PathLike,
     if types.get("keep_in_fp32_modules", "auto") not in ("auto", []):
         raise _err("data_types.keep_in_fp32_modules", '"auto" or [] (without buffer_dtype every buffer keeps its '
                    "own dtype already)", types["keep_in_fp32_modules"])
-    comm_dtype = ds.get("communication_data_type")
+    # DeepSpeed reduces gradients in the model's dtype unless communication_data_type says otherwise
+    comm_dtype = _dtype(ds["communication_data_type"], "communication_data_type") \
+        if ds.get("communication_data_type") else (compute if compute != torch.float32 else None)
     fields = dict(stage=stage, precision=precision, optimizer=optimizer, param_groups=groups,
                   grad_accum=sizes.grad_accum,
                   clip=clip or None, loss_scale=loss_scale, master_dtype=master, moment_dtype=moments,
                   grad_accum_dtype=accum,
-                  comm_dtype=_dtype(comm_dtype, "communication_data_type") if comm_dtype else None,
+                  comm_dtype=comm_dtype,
                   autocast=autocast, lr_schedule=_scheduler(ds, optimizer.lr), persist_threshold=persist,
                   shard_size=shard_size, offload_optimizer=offload, offload_pin_memory=pin,
                   grad_reduce=_reduce_op(ds.get("gradient_allreduce_op", "mean")), buffer_dtype=buffers)
