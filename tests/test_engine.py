@@ -470,3 +470,12 @@ def test_the_optimizer_answers_overflow_and_scale_as_deepspeeds():
     engine.backward(engine(torch.full((1, 2), float("inf"), dtype=torch.float16)).float().sum())
     engine.step()
     assert optimizer.overflow is True and optimizer.cur_scale == engine.loss_scale == 8.0
+
+
+def test_the_optimizer_view_refuses_to_save_what_it_does_not_hold():
+    """An empty ``state_dict()`` would save no moments without a word: it names the checkpoint calls."""
+    _, optimizer, *_ = zfunc.initialize(model=torch.nn.Linear(2, 1), config={"train_batch_size": 1})
+    with pytest.raises(RuntimeError, match=r"engine.save_checkpoint\(dir\)"):
+        optimizer.state_dict()
+    with pytest.raises(RuntimeError, match=r"engine.load_checkpoint\(dir\)"):
+        optimizer.load_state_dict({})

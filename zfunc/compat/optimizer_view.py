@@ -182,7 +182,9 @@ class OptimizerView(torch.optim.Optimizer):
 
     What code written for DeepSpeed's ZeRO optimizers reads answers the same: ``overflow`` (the
     last step was skipped for a non-finite gradient; Hugging Face Accelerate's
-    ``step_was_skipped`` reads it), ``loss_scale`` and ``cur_scale``.
+    ``step_was_skipped`` reads it), ``loss_scale`` and ``cur_scale``. ``state_dict()`` and
+    ``load_state_dict()`` raise and name `Engine.save_checkpoint`/`Engine.load_checkpoint`: the
+    moments live sharded in the engine's state, and an empty dict would save nothing silently.
 
     Examples:
         >>> import torch, zfunc
@@ -243,6 +245,15 @@ class OptimizerView(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:  # noqa: D102 - see the class docstring
         raise RuntimeError("optimizer.step(): call engine.step(); it applies the optimizer step at the "
                            "gradient accumulation boundary")
+
+    def state_dict(self) -> dict[str, Any]:  # noqa: D102 - see the message
+        raise RuntimeError("optimizer.state_dict(): the optimizer's moments live sharded in engine.state, not in this "
+                           "view; save them with engine.save_checkpoint(dir) (DeepSpeed's way) or zfunc.save(dir, "
+                           "engine.state), and read one with zfunc.utils.safe_get_full_optimizer_state(param, key)")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # noqa: D102 - see the message
+        raise RuntimeError("optimizer.load_state_dict(): load the optimizer with engine.load_checkpoint(dir) (it "
+                           "reads zfunc's and DeepSpeed's checkpoints), not through this view")
 
     @property
     def overflow(self) -> bool:
