@@ -376,3 +376,51 @@ def test_engine_module_state_dict_shows_the_trained_weights(precision, tmp_path)
         engine.save_16bit_model(str(tmp_path), f"s{stage}.bin")
         saved = torch.load(tmp_path / f"s{stage}.bin")
         assert all(torch.equal(saved[k], expected[k]) for k in expected)
+
+
+def _deepspeed_adam(name: str, **defaults):
+    """A stand-in for DeepSpeed's ``deepspeed.ops.adam`` classes (their name, module, group keys and
+    ``adam_w_mode``/``fp32_optimizer_states``), since DeepSpeed is not installed with zfunc."""
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, adam_w_mode=True,
+                 fp32_optimizer_states=True):
+        torch.optim.Optimizer.__init__(self, params, dict(lr=lr, bias_correction=True, betas=betas, eps=eps,
+                                                          weight_decay=weight_decay, **defaults))
+        self.adam_w_mode, self.fp32_optimizer_states = adam_w_mode, fp32_optimizer_states
+    return type(name, (torch.optim.Optimizer,), {"__init__": __init__, "__module__": "deepspeed.ops.adam.x"})
+
+
+@pytest.mark.parametrize("name", ["FusedAdam", "DeepSpeedCPUAdam"])
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_deepspeeds_own_adam_classes_map_to_zfuncs_adam(name, adam_w_mode):
+    """DeepSpeed's FusedAdam/DeepSpeedCPUAdam passed as the client optimizer train as torch's Adam(W)."""
+    torch.manual_seed(0)
+    model, ref = nn.Linear(3, 2), nn.Linear(3, 2)
+    ref.load_state_dict(model.state_dict())
+    client = _deepspeed_adam(name, amsgrad=False)(model.parameters(), lr=0.1, weight_decay=0.1,
+                                                   adam_w_mode=adam_w_mode)
+    engine, optimizer, *_ = zfunc.initialize(model=model, optimizer=client,
+                                             config={"train_batch_size": 1, "gradient_clipping": 0.0})
+    torch_cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+    opt = torch_cls(ref.parameters(), lr=0.1, weight_decay=0.1)
+    for i in range(3):
+        x = torch.randn(1, 3, generator=torch.Generator().manual_seed(i))
+        engine.backward(engine(x).square().sum())
+        engine.step()
+        ref(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    full = zfunc.full_params(engine.state)
+    assert all(torch.allclose(full[n], p, atol=1e-6) for n, p in ref.named_parameters())
+    assert engine.config.optimizer.decoupled is adam_w_mode
+
+
+def test_a_deepspeed_cpu_adam_with_fp32_states_conflicts_with_bf16_moments():
+    model = nn.Linear(3, 2)
+    client = _deepspeed_adam("DeepSpeedCPUAdam", amsgrad=False)(model.parameters())
+    ds = {"train_batch_size": 1, "bf16": {"enabled": True, "bf16_master_weights_and_grads": True,
+                                          "bf16_optimizer_states": True}}
+    with pytest.raises(zfunc.ConfigError, match="fp32_optimizer_states=False"):
+        zfunc.initialize(model=model, optimizer=client, config=ds)
+    client = _deepspeed_adam("DeepSpeedCPUAdam", amsgrad=False)(model.parameters(), fp32_optimizer_states=False)
+    engine, *_ = zfunc.initialize(model=model, optimizer=client, config=ds)
+    assert engine.config.moment_dtype == torch.bfloat16

@@ -28,7 +28,7 @@ __all__ = ["GroupPlan", "plan_groups", "OptimizerView", "HYPER_KEYS"]
 
 HYPER_KEYS = ("lr", "weight_decay", "betas", "eps", "momentum", "dampening", "lr_decay")
 # torch optimizer group keys that change nothing at these values (or are bookkeeping).
-_NEUTRAL = {"amsgrad": (False,), "maximize": (False,), "foreach": (None, False, True), "capturable": (False,),
+_NEUTRAL = {"bias_correction": (True,), "amsgrad": (False,), "maximize": (False,), "foreach": (None, False, True), "capturable": (False,),
             "differentiable": (False,), "fused": (None, False, True)}
 _BOOKKEEPING = {"initial_lr", "name", "decoupled_weight_decay", "nesterov", "initial_accumulator_value",
                 "ns_coefficients", "ns_steps", "adjust_lr_fn"}
@@ -36,6 +36,18 @@ _BOOKKEEPING = {"initial_lr", "name", "decoupled_weight_decay", "nesterov", "ini
 _TORCH = {torch.optim.Adam: ("adam", ()), torch.optim.AdamW: ("adam", ()), torch.optim.SGD: ("sgd", ("nesterov",)),
           torch.optim.Adagrad: ("adagrad", ("initial_accumulator_value",)),
           torch.optim.Muon: ("muon", ("nesterov", "ns_coefficients", "ns_steps", "adjust_lr_fn"))}
+# DeepSpeed's own Adam classes (deepspeed.ops.adam), known by name: AdamW when ``adam_w_mode``.
+_DEEPSPEED_ADAM = ("FusedAdam", "DeepSpeedCPUAdam")
+
+
+def _kind(optimizer: Any) -> tuple[str, tuple[str, ...]] | None:
+    """``(zfunc kind, keys that must agree across groups)`` of a client optimizer zfunc maps, else None."""
+    if type(optimizer) in _TORCH:
+        return _TORCH[type(optimizer)]
+    cls = type(optimizer)
+    if cls.__name__ in _DEEPSPEED_ADAM and cls.__module__.startswith("deepspeed.ops.adam"):
+        return "adam", ()
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,11 +97,12 @@ def plan_groups(model: torch.nn.Module, base: Any, *, optimizer: Any = None,
     own: list[Any] = []  # each dict's own optimizer (None: the base)
     if optimizer is not None:
         several = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-        odd = [type(o).__name__ for o in several if type(o) not in _TORCH]
+        odd = [type(o).__name__ for o in several if _kind(o) is None]
         if odd or not several:
-            raise ConfigError(f"optimizer: zfunc maps torch.optim.Adam, AdamW, SGD, Adagrad and Muon (one, or a list "
-                              f"of them, e.g. [Muon(matrices), AdamW(rest)]), or a zfunc optimizer record; got "
-                              f"{odd or 'an empty list'}")
+            raise ConfigError(f"optimizer: zfunc maps torch.optim.Adam, AdamW, SGD, Adagrad and Muon and DeepSpeed's "
+                              f"FusedAdam and DeepSpeedCPUAdam (one, or a list of them, e.g. [Muon(matrices), "
+                              f"AdamW(rest)]), or a zfunc optimizer record; got {odd or 'an empty list'} (zfunc "
+                              f"runs the update math itself, so an optimizer it does not know cannot be sharded)")
         base = _from_torch(several[0])
         dicts = [d for o in several for d in o.param_groups]
         own = [None if j == 0 else _from_torch(o) for j, o in enumerate(several) for _ in o.param_groups]
@@ -147,15 +160,16 @@ def _torch_values(values: dict[str, float]) -> dict[str, Any]:
 
 
 def _from_torch(optimizer: torch.optim.Optimizer) -> Any:
-    """The zfunc optimizer record of a torch optimizer, from its first group."""
-    kind, same = _TORCH[type(optimizer)]
+    """The zfunc optimizer record of a torch (or DeepSpeed Adam) optimizer, from its first group."""
+    kind, same = _kind(optimizer)
     groups = optimizer.param_groups
     for key in same:
         if len({g.get(key) for g in groups}) > 1:
             raise ConfigError(f"optimizer.param_groups: {key} differs between groups; zfunc uses one value for all")
     g0 = groups[0]
     if kind == "adam":
-        decoupled = {isinstance(optimizer, torch.optim.AdamW) or bool(g.get("decoupled_weight_decay")) for g in groups}
+        decoupled = {isinstance(optimizer, torch.optim.AdamW) or bool(g.get("decoupled_weight_decay"))
+                     or bool(getattr(optimizer, "adam_w_mode", False)) for g in groups}
         if len(decoupled) > 1:
             raise ConfigError("optimizer.param_groups: decoupled_weight_decay differs between groups; zfunc applies "
                               "one kind of weight decay to all of them")
