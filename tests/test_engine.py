@@ -479,3 +479,29 @@ def test_the_optimizer_view_refuses_to_save_what_it_does_not_hold():
         optimizer.state_dict()
     with pytest.raises(RuntimeError, match=r"engine.load_checkpoint\(dir\)"):
         optimizer.load_state_dict({})
+
+
+def test_the_optimizer_view_state_holds_the_moments_as_torchs_adamw_does():
+    torch.manual_seed(0)
+    model, ref = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)), nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    ref.load_state_dict(model.state_dict())
+    model[0].bias.requires_grad_(False)
+    ref[0].bias.requires_grad_(False)
+    engine, optimizer, *_ = zfunc.initialize(model=model, config={
+        "train_batch_size": 1, "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 0.1, "weight_decay": 0.01}}})
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=0.1, weight_decay=0.01)
+    for i in range(2):
+        x = torch.randn(1, 3, generator=torch.Generator().manual_seed(i))
+        engine.backward(engine(x).square().sum())
+        engine.step()
+        ref(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert len(optimizer.state) == 3 and id(engine.module[0].bias) not in {id(p) for p in optimizer.state}
+    for (name, p), q in zip(engine.module.named_parameters(), ref.parameters()):
+        if p.requires_grad:
+            ours, theirs = optimizer.state[p], opt.state[q]
+            assert sorted(ours) == ["exp_avg", "exp_avg_sq"], name
+            assert all(torch.allclose(ours[k], theirs[k].flatten(), atol=1e-7) for k in ours), name
+    with pytest.raises(KeyError, match="not a parameter this engine trains"):
+        optimizer.state[engine.module[0].bias]

@@ -79,6 +79,7 @@ class Engine(ConfigAccessors, torch.nn.Module):
         self.config = cfg
         self.micro_steps = 0
         self.global_samples = 0
+        self.sparse_tensor_module_names: set[str] = set()  # DeepSpeed's; sparse_gradients is refused: none
         self._batch = batch
         self._boundary: bool | None = None
         self._applied = False

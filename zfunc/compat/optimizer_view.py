@@ -12,7 +12,7 @@ state), so torch's ``LRScheduler``s can drive it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -186,6 +186,35 @@ def _from_torch(optimizer: torch.optim.Optimizer) -> Any:
                          initial_accumulator_value=g0["initial_accumulator_value"])
 
 
+class _LocalState(Mapping):
+    """``optimizer.state``: for each trained parameter, this rank's part of its optimizer's moments,
+    flat, under DeepSpeed's keys (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``); read-only copies
+    (write with `zfunc.utils.safe_set_full_optimizer_state`). No collective: every rank reads its own."""
+
+    def __init__(self, engine: Engine):
+        from zfunc.compat.utils import _KEYS
+
+        named, state = dict(engine.module.named_parameters()), engine.state
+        self._params = [named[n] for n in state.layout.names if n in named]
+        moments = [opt.moments for opt in opt_state.optimizers(state.cfg)]
+        of = opt_state.optimizer_of(state.cfg)
+        self._keys = {id(named[n]): [k for k, ours in _KEYS.items() if ours in moments[of[state.layout.group_of[n]]]]
+                      for n in state.layout.names if n in named}
+
+    def __getitem__(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        from zfunc.compat.utils import safe_get_local_optimizer_state
+
+        if id(param) not in self._keys:
+            raise KeyError("optimizer.state: not a parameter this engine trains")
+        return {k: safe_get_local_optimizer_state(param, k) for k in self._keys[id(param)]}
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self._params)
+
+    def __len__(self) -> int:
+        return len(self._params)
+
+
 class OptimizerView(torch.optim.Optimizer):
     """The optimizer `zfunc.initialize` returns: live ``param_groups`` over the engine's state.
 
@@ -196,7 +225,8 @@ class OptimizerView(torch.optim.Optimizer):
 
     What code written for DeepSpeed's ZeRO optimizers reads answers the same: ``overflow`` (the
     last step was skipped for a non-finite gradient; Hugging Face Accelerate's
-    ``step_was_skipped`` reads it), ``loss_scale`` and ``cur_scale``. ``state_dict()`` and
+    ``step_was_skipped`` reads it), ``loss_scale`` and ``cur_scale``. ``state[param]`` holds this
+    rank's part of the parameter's moments (``exp_avg``, ``exp_avg_sq``). ``state_dict()`` and
     ``load_state_dict()`` raise and name `Engine.save_checkpoint`/`Engine.load_checkpoint`: the
     moments live sharded in the engine's state, and an empty dict would save nothing silently.
 
@@ -259,6 +289,15 @@ class OptimizerView(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:  # noqa: D102 - see the class docstring
         raise RuntimeError("optimizer.step(): call engine.step(); it applies the optimizer step at the "
                            "gradient accumulation boundary")
+
+    @property
+    def state(self) -> Mapping[torch.Tensor, dict[str, torch.Tensor]]:  # type: ignore[override]
+        """Each trained parameter's optimizer moments on this rank (DeepSpeed's keys), read-only."""
+        return _LocalState(self._engine)
+
+    @state.setter
+    def state(self, value: Any) -> None:  # torch.optim.Optimizer.__init__ assigns an empty dict: not used
+        del value
 
     def state_dict(self) -> dict[str, Any]:  # noqa: D102 - see the message
         raise RuntimeError("optimizer.state_dict(): the optimizer's moments live sharded in engine.state, not in this "
