@@ -309,8 +309,12 @@ def _scheduler(ds: Mapping[str, Any], lr: float) -> Any:
     kind, params = sec.get("type"), dict(sec.get("params") or {})
     factories = {"WarmupLR": schedules.warmup_lr, "WarmupDecayLR": schedules.warmup_decay_lr,
                  "WarmupCosineLR": schedules.warmup_cosine_lr}
+    if kind in ("OneCycle", "LRRangeTest"):
+        raise ConfigError(f"scheduler.type: {kind} runs in the engine (zfunc.initialize, on the optimizer it "
+                          "returns); a zfunc.Config schedules the learning rate only: use a zfunc.schedules "
+                          "formula, or set lr and betas per step with zfunc.set_hyperparams")
     if kind not in factories:
-        raise _err("scheduler.type", f"one of {sorted(factories)}", kind)
+        raise _err("scheduler.type", f"one of {sorted(factories)} (OneCycle and LRRangeTest: in the engine)", kind)
     if kind != "WarmupCosineLR":
         params.setdefault("warmup_max_lr", lr)
     else:

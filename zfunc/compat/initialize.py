@@ -4,8 +4,10 @@ model become a `zfunc.Engine`; ``init_distributed`` and ``add_config_arguments``
 from __future__ import annotations
 
 import dataclasses
-
+import functools
+import inspect
 import os
+import types
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -14,6 +16,7 @@ import torch
 from zfunc.compat.deepspeed_config import read_config, translate
 from zfunc.compat.engine import Engine
 from zfunc.compat.optimizer_view import plan_groups
+from zfunc.compat.schedulers import SCHEDULERS, OneCycle
 from zfunc.core.config import Config
 from zfunc.core.optim import OPTIMIZERS
 from zfunc.distributed import comm
@@ -58,6 +61,7 @@ def initialize(model: torch.nn.Module, config: Mapping[str, Any] | str | os.Path
         cfg = config
     else:
         ds = read_config(config or {"train_micro_batch_size_per_gpu": 1})
+        ds, engine_scheduler = _engine_scheduler(ds, lr_scheduler)
         fields, batch = translate(ds, world_size=group.size)
         cfg = Config(**fields)
         managed = ds.get("managed_gradient_accumulation", True)  # an engine setting (checked by translate)
@@ -81,9 +85,37 @@ def initialize(model: torch.nn.Module, config: Mapping[str, Any] | str | os.Path
         cfg = cfg.replace(optimizer=plan.optimizer, param_groups=plan.groups, freeze=plan.freeze)
     elif isinstance(optimizer, OPTIMIZERS):
         cfg = cfg.replace(optimizer=optimizer)
+    if engine_scheduler is not None:  # DeepSpeed's OneCycle/LRRangeTest: checked now, built on the view
+        cls, params = engine_scheduler
+        groups = len(plan.dicts) if plan.dicts is not None else max(1, len(cfg.param_groups))
+        cls(types.SimpleNamespace(param_groups=[{"lr": 0.0, "betas": (0.9, 0.999)} for _ in range(groups)]),
+            **params)
+        lr_scheduler = functools.partial(cls, **params)
     engine = Engine(model, cfg, group=group, batch=batch, optimizer_groups=plan.dicts, lr_scheduler=lr_scheduler,
                     managed=managed, deepspeed_masters=not isinstance(config, Config))
     return engine, engine.optimizer, None, engine.lr_scheduler
+
+
+def _engine_scheduler(ds: dict[str, Any], lr_scheduler: Any) -> tuple[dict[str, Any], Any]:
+    """``ds`` without a ``OneCycle``/``LRRangeTest`` scheduler section, and ``(class, params)`` for
+    it (these run in the engine, on the returned optimizer; a `zfunc.Config` has no counterpart)."""
+    sec = ds.get("scheduler") or {}
+    cls = SCHEDULERS.get(sec.get("type")) if isinstance(sec, dict) else None
+    if cls is None:
+        return ds, None
+    if lr_scheduler is not None:
+        raise ConfigError("lr_scheduler: the config has a 'scheduler' section too; use one of them")
+    params = dict(sec.get("params") or {})
+    accepted = set(inspect.signature(cls).parameters) - {"optimizer"}
+    for key in params:
+        if key not in accepted:
+            raise ConfigError(f"scheduler.params.{key}: not a parameter of {sec['type']} (it takes "
+                              f"{', '.join(sorted(accepted))})")
+    if cls is OneCycle:
+        for key in ("cycle_min_lr", "cycle_max_lr"):
+            if key not in params:
+                raise ConfigError(f"scheduler.params.{key}: OneCycle needs it (DeepSpeed's has no default)")
+    return {k: v for k, v in ds.items() if k != "scheduler"}, (cls, params)
 
 
 def init_distributed(dist_backend: str | None = None, **kwargs: Any) -> None:
