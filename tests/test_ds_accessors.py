@@ -63,6 +63,12 @@ def _accessors(rank: int, stage: int, ga: int) -> dict:
                 params["0.bias"].fill_(0.25)
     out["modified"] = zfunc.full_params(engine.state)["0.bias"]
     out["empty outside"] = all(p.numel() == 0 for p in params.values()) if stage == 3 else True
+    w, w2 = params["0.weight"], params["2.weight"]  # each rank doubles its part of the master, adds 1 to exp_avg
+    out["pre"] = (zfunc.utils.safe_get_full_fp32_param(w), zfunc.utils.safe_get_full_optimizer_state(w2, "exp_avg"))
+    zfunc.utils.safe_set_local_fp32_param(w, zfunc.utils.safe_get_local_fp32_param(w) * 2)
+    zfunc.utils.safe_set_local_optimizer_state(w2, zfunc.utils.safe_get_local_optimizer_state(w2, "exp_avg") + 1,
+                                               "exp_avg")
+    out["post"] = (zfunc.utils.safe_get_full_fp32_param(w), zfunc.utils.safe_get_full_optimizer_state(w2, "exp_avg"))
     return out
 
 
@@ -89,11 +95,19 @@ def test_the_accessors_read_and_write_what_torch_computes(world):
                 assert out["set"].tolist() == [1.0, 2.0, 3.0] and out["forward after set"], where
                 assert torch.equal(out["modified"], torch.full((7,), 0.25)), where
                 assert out["gathered shapes"] == [(7, 5), (7,), (3, 7), (3,)] and out["empty outside"], where
+                assert torch.equal(out["post"][0], out["pre"][0] * 2), where
+                assert torch.equal(out["post"][1], out["pre"][1] + 1), where
             for n in after:  # every rank's local part, in rank order, is the whole parameter
                 local = torch.cat([o["local"][n] for o in outs]) if stage else outs[0]["local"][n]
                 assert torch.equal(local, outs[0]["after"][n].reshape(-1)), (world, stage, n)
                 g = torch.cat([o["local grad"][n] for o in outs]) if stage else outs[0]["local grad"][n]
                 assert torch.equal(g, outs[0]["grad"][n].reshape(-1)), (world, stage, n)
+
+
+def test_a_local_setter_checks_the_parts_size():
+    engine, *_ = zfunc.initialize(model=_model(), config={"train_batch_size": 4})
+    with pytest.raises(ValueError, match="this rank holds 35 elements of '0.weight', got 3"):
+        zfunc.utils.safe_set_local_fp32_param(engine.module[0].weight, torch.zeros(3))
 
 
 def test_an_accessor_given_another_tensor_says_what_to_pass():

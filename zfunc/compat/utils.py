@@ -20,7 +20,8 @@ from zfunc.distributed import comm
 
 __all__ = ["safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_grad",
            "safe_get_full_optimizer_state", "safe_set_full_optimizer_state", "safe_get_local_fp32_param",
-           "safe_get_local_grad", "safe_get_local_optimizer_state"]
+           "safe_get_local_grad", "safe_get_local_optimizer_state", "safe_set_local_fp32_param",
+           "safe_set_local_optimizer_state"]
 
 # id(parameter) -> (the parameter, its engine, its name), all held weakly (a tensor cannot key a
 # WeakKeyDictionary: its == is elementwise)
@@ -215,10 +216,15 @@ def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, opti
         state = engine.state
         arena = _moment(state, optim_state_key, name)
         _write(state, arena, name, value)
-        k = opt_state.optimizer_of(state.cfg)[state.layout.group_of[name]]
-        packed = getattr(opt_state.records(state)[k], _KEYS[optim_state_key])
-        if packed is not arena:  # the optimizer's moments are packed: write the copy back
-            packed.copy_(opt_state.pack(arena, opt_state.runs(state.cfg, state.layout)[k]))
+        _store_moment(state, name, optim_state_key, arena)
+
+
+def _store_moment(state: Any, name: str, key: str, arena: torch.Tensor) -> None:
+    """Write an edited moment arena (from `_moment`) back when the optimizer's moments are packed."""
+    k = opt_state.optimizer_of(state.cfg)[state.layout.group_of[name]]
+    packed = getattr(opt_state.records(state)[k], _KEYS[key])
+    if packed is not arena:
+        packed.copy_(opt_state.pack(arena, opt_state.runs(state.cfg, state.layout)[k]))
 
 
 def _moment(state: Any, key: str, name: str) -> torch.Tensor:
@@ -272,3 +278,49 @@ def safe_get_local_optimizer_state(param: torch.Tensor, optim_state_key: str) ->
     """
     engine, name = owner_of(param)
     return _local(engine.state, _moment(engine.state, optim_state_key, name), name)
+
+
+def _write_local(state: Any, arena: torch.Tensor, name: str, value: torch.Tensor) -> None:
+    """Write ``value`` (this rank's part of parameter ``name``, flat) into ``arena``."""
+    place = _where(state, name)
+    if place is None:
+        return
+    mine = place.mine(arena)
+    if value.numel() != mine.numel():
+        raise ValueError(f"value: this rank holds {mine.numel()} elements of {name!r}, got {value.numel()} (read "
+                         "the part with the matching safe_get_local_* first)")
+    mine.copy_(value.detach().reshape(-1).to(arena.device, arena.dtype))
+
+
+def safe_set_local_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Set this rank's part of ``param``'s master weight (flat, as `safe_get_local_fp32_param` gives
+    it). The compute copy follows at the next step, as in DeepSpeed.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> engine, *_ = zfunc.initialize(model=torch.nn.Linear(2, 1), config={"train_batch_size": 1})
+        >>> zfunc.utils.safe_set_local_fp32_param(engine.module.weight, torch.tensor([0.5, 0.25]))
+        >>> zfunc.utils.safe_get_local_fp32_param(engine.module.weight).tolist()
+        [0.5, 0.25]
+    """
+    engine, name = owner_of(param)
+    _write_local(engine.state, engine.state.params, name, value)
+
+
+def safe_set_local_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
+    """Set this rank's part of ``param``'s moment ``optim_state_key`` (flat).
+
+    Examples:
+        >>> import torch, zfunc
+        >>> engine, *_ = zfunc.initialize(model=torch.nn.Linear(2, 1), config={"train_batch_size": 1})
+        >>> zfunc.utils.safe_set_local_optimizer_state(engine.module.bias, torch.tensor([2.0]), "exp_avg")
+        >>> zfunc.utils.safe_get_full_optimizer_state(engine.module.bias, "exp_avg").tolist()
+        [2.0]
+    """
+    engine, name = owner_of(param)
+    state = engine.state
+    if _where(state, name) is None:
+        return
+    arena = _moment(state, optim_state_key, name)
+    _write_local(state, arena, name, value)
+    _store_moment(state, name, optim_state_key, arena)
