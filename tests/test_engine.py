@@ -233,7 +233,7 @@ def test_deepspeed_batch_table_at_world_two(tbs, mbs, gas, ok):
     ({"train_batch_size": 8, "fp16": {"enabled": True, "min_loss_scale": float("nan")}}, r"fp16.min_loss_scale"),
     ({"train_batch_size": 8, "bf16": {"enabled": True, "bf16_optimizer_states": True}}, "bf16_master_weights"),
     ({"train_batch_size": 8, "torch_autocast": {"enabled": True, "dtype": "fp8"}}, r"torch_autocast.dtype"),
-    ({"train_batch_size": 8, "scheduler": {"type": "OneCycle"}}, r"scheduler.type: expected one of"),
+    ({"train_batch_size": 8, "scheduler": {"type": "OneCyclic"}}, r"scheduler.type: expected one of"),
     ({"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}},
      r"scheduler.params.warmup_num_steps"),
 ])

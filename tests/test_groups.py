@@ -143,8 +143,8 @@ def _hf_loop(rank: int, stage: int, precision: str = "fp32") -> float:
           "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 6, "warmup_num_steps": 2,
                                                             "warmup_min_lr": 0.0, "warmup_type": "linear"}},
           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-          "bf16": {"enabled": precision == "bf16"},
-          "communication_data_type": "fp32"}  # the torch recipe sums fp32 gradients (DeepSpeed's default: bf16)
+          "bf16": {"enabled": precision == "bf16"},  # the torch recipe sums fp32 gradients (DeepSpeed's default: bf16)
+          "communication_data_type": "fp32", "data_types": {"grad_accum_dtype": "fp32"}}
     engine, optimizer, _, scheduler = zfunc.initialize(
         model=model, config=ds,
         model_parameters=[{"params": decay, "weight_decay": 0.1}, {"params": nodecay, "weight_decay": 0.0}])

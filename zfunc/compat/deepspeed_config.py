@@ -472,8 +472,10 @@ def translate(ds: Mapping[str, Any] | str | os.PathLike,
         if autocast == torch.float16 and loss_scale is None:
             loss_scale = DynamicLossScale()
     types = _section(ds, "data_types")
-    accum = _dtype(types["grad_accum_dtype"], "data_types.grad_accum_dtype") if types.get("grad_accum_dtype") else master
     compute = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
+    # DeepSpeed accumulates micro-batch gradients in the model's dtype unless grad_accum_dtype says otherwise
+    accum = _dtype(types["grad_accum_dtype"], "data_types.grad_accum_dtype") if types.get("grad_accum_dtype") \
+        else compute
     if types.get("param_dtype") is not None and _dtype(types["param_dtype"], "data_types.param_dtype") != compute:
         raise _err("data_types.param_dtype", f"the enabled precision's dtype ({str(compute)[6:]}; DeepSpeed refuses "
                    "another too): set it to match fp16/bf16 'enabled', or leave it out", types["param_dtype"])
