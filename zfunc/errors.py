@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["ConfigError", "CheckpointError", "refuse_create_graph", "check", "is_number", "is_finite_number",
+__all__ = ["ConfigError", "DeepSpeedAssertion", "CheckpointError", "refuse_create_graph", "check", "is_number", "is_finite_number",
            "is_positive_int"]
 
 
@@ -23,6 +23,17 @@ class ConfigError(ValueError):
         ... except zfunc.ConfigError as e:
         ...     print(e)
         stage: expected one of 0, 1, 2, 3, got 5
+    """
+
+
+class DeepSpeedAssertion(ConfigError, AssertionError):
+    """A refusal in the DeepSpeed shim where DeepSpeed itself fails an ``assert``: a `ConfigError`
+    that is also an ``AssertionError``, so code written against DeepSpeed (``except
+    AssertionError``) sees the type it expects.
+
+    Examples:
+        >>> issubclass(DeepSpeedAssertion, ConfigError) and issubclass(DeepSpeedAssertion, AssertionError)
+        True
     """
 
 

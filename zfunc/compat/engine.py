@@ -32,7 +32,7 @@ from zfunc.core.config import Config
 from zfunc.compat.engine_config import ConfigAccessors
 from zfunc.core.create import full_params, init, masters_from_compute
 from zfunc.compat.deepspeed_config import BatchSizes
-from zfunc.errors import ConfigError
+from zfunc.errors import ConfigError, DeepSpeedAssertion
 from zfunc.autograd.forward_gather import settle
 from zfunc.compat.utils import register as register_params
 from zfunc.compat.optimizer_view import OptimizerView
@@ -220,7 +220,7 @@ class Engine(ConfigAccessors, torch.nn.Module):
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Override the boundary from now on (sticky, as in DeepSpeed)."""
         if not self.managed:
-            raise ConfigError("set_gradient_accumulation_boundary: with managed_gradient_accumulation false every "
+            raise DeepSpeedAssertion("set_gradient_accumulation_boundary: with managed_gradient_accumulation false every "
                               "step() is the boundary; call step() when the accumulation ends instead")
         self._boundary = bool(is_boundary)
 
@@ -245,7 +245,7 @@ class Engine(ConfigAccessors, torch.nn.Module):
             1
         """
         if not self.managed:
-            raise ConfigError("coalesce_grad_reduction: with managed_gradient_accumulation false the caller owns the "
+            raise DeepSpeedAssertion("coalesce_grad_reduction: with managed_gradient_accumulation false the caller owns the "
                               "boundary already; call step() after the backwards instead")
         if self._coalescing:
             raise RuntimeError("coalesce_grad_reduction: already inside one; blocks do not nest")

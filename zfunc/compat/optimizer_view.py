@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zfunc.core import opt_state
-from zfunc.errors import ConfigError
+from zfunc.errors import ConfigError, DeepSpeedAssertion
 from zfunc.core.optim import OPTIMIZERS, AdagradConfig, AdamConfig, MuonConfig, ParamGroup, SGDConfig
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ def plan_groups(model: torch.nn.Module, base: Any, *, optimizer: Any = None,
         several = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
         odd = [type(o).__name__ for o in several if _kind(o) is None]
         if odd or not several:
-            raise ConfigError(f"optimizer: zfunc maps torch.optim.Adam, AdamW, SGD, Adagrad and Muon and DeepSpeed's "
+            raise DeepSpeedAssertion(f"optimizer: zfunc maps torch.optim.Adam, AdamW, SGD, Adagrad and Muon and DeepSpeed's "
                               f"FusedAdam and DeepSpeedCPUAdam (one, or a list of them, e.g. [Muon(matrices), "
                               f"AdamW(rest)]), or a zfunc optimizer record; got {odd or 'an empty list'} (zfunc "
                               f"runs the update math itself, so an optimizer it does not know cannot be sharded)")
