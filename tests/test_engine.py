@@ -505,3 +505,19 @@ def test_the_optimizer_view_state_holds_the_moments_as_torchs_adamw_does():
             assert all(torch.allclose(ours[k], theirs[k].flatten(), atol=1e-7) for k in ours), name
     with pytest.raises(KeyError, match="not a parameter this engine trains"):
         optimizer.state[engine.module[0].bias]
+
+
+def test_refusals_where_deepspeed_asserts_are_assertion_errors_too():
+    """Code written against DeepSpeed catches AssertionError; zfunc's refusals there are both."""
+    engine, *_ = zfunc.initialize(model=nn.Linear(3, 2), config={"train_batch_size": 1,
+                                                                  "managed_gradient_accumulation": False})
+    with pytest.raises(AssertionError, match="scalar tensor"):
+        engine.scale(engine(torch.ones(1, 3)))
+    with pytest.raises(zfunc.ConfigError, match="set_gradient_accumulation_boundary"):
+        engine.set_gradient_accumulation_boundary(True)
+    with pytest.raises(AssertionError, match="coalesce_grad_reduction"):
+        with engine.coalesce_grad_reduction():
+            pass
+    with pytest.raises(AssertionError, match="zfunc maps torch.optim.Adam"):
+        zfunc.initialize(model=nn.Linear(3, 2), optimizer=torch.optim.RMSprop(nn.Linear(3, 2).parameters()),
+                         config={"train_batch_size": 1})

@@ -200,7 +200,7 @@ class Engine(ConfigAccessors, torch.nn.Module):
     @staticmethod
     def _check_scalar(loss: Any, what: str) -> None:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
-            raise ValueError(f"engine.{what}(loss): expected a scalar tensor with a grad_fn; for a non-scalar "
+            raise DeepSpeedAssertion(f"engine.{what}(loss): expected a scalar tensor with a grad_fn; for a non-scalar "
                              "output call out.backward(grad) directly")
 
     # -- the step ----------------------------------------------------------------------------
