@@ -210,7 +210,11 @@ class _Reducer:
         self.opened[k] = True
         if self.out is None:
             acc = self.sink.grad
-            self.direct = self.fold is not None or (acc is not None and acc.dtype == self.dtype)
+            # Reduced straight into the accumulator when it is fp32 (its own rank's gradient added
+            # before the reduce, no staging buffer). A bf16/fp16 accumulator gets each reduced sum
+            # added once instead: the sum rounds the same on every owner, as DeepSpeed's does.
+            wide = acc is not None and acc.dtype == self.dtype and acc.element_size() >= 4
+            self.direct = self.fold is not None or wide
             self.out = acc if self.direct else self.pool.take()
         if self.fold is not None and not self.fold.folded[k]:
             self.fold.folded[k] = True  # this call's gradient joins the accumulator, reduced once
