@@ -275,8 +275,8 @@ def test_harmless_keys_give_one_warning_and_the_rest_are_refused():
         ({"zero_optimization": {"offload_param": {"device": "nvme"}}}, "zero_optimization.offload_param.device"),
         ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, "zero_optimization.offload_param.device"),
         ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer: needs stage"),
-        ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
-        ({"prescale_gradients": True}, "prescale_gradients"),
+        ({"gradient_predivide_factor": 0.0}, "gradient_predivide_factor: expected a number > 0"),
+        ({"prescale_gradients": 1}, "prescale_gradients: expected true or false"),
         ({"gradient_allreduce_op": "max"}, "gradient_allreduce_op"),
         ({"managed_gradient_accumulation": "no"}, "managed_gradient_accumulation"),
         ({"bf16": {"enabled": True, "check_grad_overflow": False}}, "bf16.check_grad_overflow"),
@@ -521,3 +521,42 @@ def test_refusals_where_deepspeed_asserts_are_assertion_errors_too():
     with pytest.raises(AssertionError, match="zfunc maps torch.optim.Adam"):
         zfunc.initialize(model=nn.Linear(3, 2), optimizer=torch.optim.RMSprop(nn.Linear(3, 2).parameters()),
                          config={"train_batch_size": 1})
+
+
+def _divided(rank: int, op: str, extra: dict) -> list[float]:
+    model = nn.Linear(2, 1, bias=False)
+    nn.init.zeros_(model.weight)
+    engine, *_ = zfunc.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "gradient_allreduce_op": op,
+        "optimizer": {"type": "SGD", "params": {"lr": 1.0}}, **extra})
+    engine.backward(engine(torch.tensor([1.0, 2.0])).sum())
+    engine.step()
+    return zfunc.full_params(engine.state)["weight"].flatten().tolist()
+
+
+@pytest.mark.parametrize("extra", [{"prescale_gradients": True}, {"gradient_predivide_factor": 2.0},
+                                   {"prescale_gradients": False, "gradient_predivide_factor": 1.0}])
+def test_prescaling_and_a_predivide_factor_give_deepspeeds_average(extra):
+    """DeepSpeed divides before and/or after the reduce as these say; the result is the mean (or
+    the sum with gradient_allreduce_op "sum") either way, as zfunc's (it divides in the graph)."""
+    for op, scale in (("mean", 1.0), ("sum", 2.0)):
+        for weight in run_ranks(_divided, 2, op, extra):
+            assert weight == [-1.0 * scale, -2.0 * scale], (op, extra)
+    with pytest.warns(UserWarning, match="accepts and does not use these DeepSpeed config keys.*"
+                                         "(prescale_gradients|gradient_predivide_factor)"):
+        zfunc.Config.from_deepspeed({"train_batch_size": 1, **extra})
+
+
+def test_empty_partition_cache_has_nothing_to_release_at_stage_3():
+    """zfunc frees each gathered unit after use: after a forward, and after a step, the module's
+    parameters at stage 3 hold no elements, so DeepSpeed's empty_partition_cache() has no work."""
+    engine, *_ = zfunc.initialize(model=nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)), config={
+        "train_batch_size": 1, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    with torch.no_grad():
+        engine(torch.ones(1, 3))
+    assert all(p.numel() == 0 for p in engine.module.parameters())
+    engine.backward(engine(torch.ones(1, 3)).sum())
+    engine.step()
+    engine.empty_partition_cache()
+    assert all(p.numel() == 0 for p in engine.module.parameters())
+    assert engine(torch.ones(1, 3)).shape == (1, 2)

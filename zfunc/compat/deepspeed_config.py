@@ -37,8 +37,10 @@ _HARMLESS = {"steps_per_print", "wall_clock_breakdown", "zero_allow_untested_opt
              "memory_breakdown", "tensorboard", "wandb", "csv_monitor", "comet", "flops_profiler", "comms_logger",
              "timers", "checkpoint", "zero_force_ds_cpu_optimizer", "activation_checkpointing"}
 # Keys that change the numbers: accepted at the value that matches zfunc, refused otherwise.
-_NUMERIC = {"gradient_predivide_factor": (1, 1.0), "prescale_gradients": (False,),
-            "sparse_gradients": (False,)}
+_NUMERIC = {"sparse_gradients": (False,)}
+# Where DeepSpeed divides by the world size around the reduce: zfunc divides before it, in the
+# graph (what prescaling does), and every setting gives the same average; accepted and warned.
+_DIVIDE = {"prescale_gradients", "gradient_predivide_factor"}
 _ZERO_HANDLED = {"stage", "stage3_param_persistence_threshold", "mics_shard_size", "zero_hpz_partition_size"}
 # What zfunc reads (or knowingly treats as always on) in each precision section.
 _SECTION_KEYS = {
@@ -177,7 +179,7 @@ def _refuse_unknown(ds: Mapping[str, Any]) -> None:
     known = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
              "gradient_clipping", "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "torch_autocast",
              "zero_optimization", "data_types", "communication_data_type", "gradient_allreduce_op",
-             "managed_gradient_accumulation", *_HARMLESS, *_NUMERIC}
+             "managed_gradient_accumulation", *_HARMLESS, *_NUMERIC, *_DIVIDE}
     for key in ds:
         if key not in known:
             raise ConfigError(f"{key}: zfunc does not implement this DeepSpeed key (or it is misspelt), and it may "
@@ -186,6 +188,10 @@ def _refuse_unknown(ds: Mapping[str, Any]) -> None:
         if key in ds and (ds[key] not in allowed or isinstance(ds[key], bool) != isinstance(allowed[0], bool)):
             raise _err(key, f"{allowed[0]!r} (zfunc averages gradients over ranks in one step, in comm dtype; "
                        "other values change the numbers and are not implemented)", ds[key])
+    if not isinstance(ds.get("prescale_gradients", False), bool):
+        raise _err("prescale_gradients", "true or false", ds["prescale_gradients"])
+    if _number(ds, "", "gradient_predivide_factor", 1.0) <= 0:
+        raise _err("gradient_predivide_factor", "a number > 0", ds["gradient_predivide_factor"])
     zero = _section(ds, "zero_optimization")
     for key in zero:
         if key not in _ZERO_HANDLED | _ZERO_HARMLESS | {"offload_optimizer", "offload_param", "cpu_offload"}:
@@ -406,7 +412,7 @@ def translate(ds: Mapping[str, Any] | str | os.PathLike,
     _refuse_unknown(ds)
     zero = _section(ds, "zero_optimization")
     offload, pin = _offload(zero)  # checked with the other keys, before anything is warned about
-    harmless = [k for k in ds if k in _HARMLESS]
+    harmless = [k for k in ds if k in _HARMLESS or k in _DIVIDE]
     harmless += [f"zero_optimization.{k}" for k in zero if k in _ZERO_HARMLESS]
     harmless += [f"zero_optimization.{sec}.{k}" for sec in ("offload_optimizer", "offload_param")
                  for k in (zero.get(sec) or {}) if k not in ("device", "pin_memory", "ratio")]

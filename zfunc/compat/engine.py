@@ -462,6 +462,11 @@ class Engine(ConfigAccessors, torch.nn.Module):
         comm.all_gather_object(None, self._state.group)  # barrier: the file is there
         return True
 
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's: release the stage-3 parameters gathered and kept between uses. zfunc keeps
+        none (each unit's gathered buffer is freed after its module has run, forward and backward),
+        so there is nothing to release."""
+
     def destroy(self) -> None:
         """Release what the engine holds: zfunc's hooks leave the module and the state is dropped
         (DeepSpeed's ``engine.destroy()``). The engine cannot train afterwards."""
