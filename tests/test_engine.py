@@ -264,7 +264,7 @@ def test_harmless_keys_give_one_warning_and_the_rest_are_refused():
                                      "zero_optimization": {"stage": 1, "overlap_comm": True,
                                                            "offload_optimizer": {"device": "none"}}})
     assert len(caught) == 1
-    assert "activation_checkpointing, flops_profiler, zero_optimization.overlap_comm" in str(caught[0].message)
+    assert "activation_checkpointing, flops_profiler, gradient_predivide_factor, zero_optimization.overlap_comm" in str(caught[0].message)
     refused = [
         ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}},
          "zero_optimization.offload_optimizer.device"),
@@ -560,3 +560,17 @@ def test_empty_partition_cache_has_nothing_to_release_at_stage_3():
     engine.empty_partition_cache()
     assert all(p.numel() == 0 for p in engine.module.parameters())
     assert engine(torch.ones(1, 3)).shape == (1, 2)
+
+
+def test_a_meta_built_model_at_stage_3_shows_empty_tensors_as_deepspeeds_partitioned_ones():
+    """Built under zfunc.zero.Init, the module's parameters at stage 3 are empty tensors on the
+    state's device (code comparing them with torch.allclose, as DeepSpeed's tests do, works)."""
+    with zfunc.zero.Init():
+        model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    engine, *_ = zfunc.initialize(model=model, config={"train_batch_size": 1, "zero_optimization": {"stage": 3}})
+    params = list(engine.module.parameters())
+    assert all(p.device.type == "cpu" and p.numel() == 0 for p in params)
+    assert all(torch.allclose(p, p) for p in params)
+    engine.backward(engine(torch.ones(1, 3)).sum())
+    engine.step()
+    assert zfunc.utils.safe_get_full_fp32_param(params[0]).shape == (4, 3)

@@ -139,6 +139,12 @@ class Engine(ConfigAccessors, torch.nn.Module):
             current.update(st.layout.views(st.layout.units[0], st.compute))
         replaced: dict[int, torch.Tensor] = {}  # meta-built (`zfunc.zero.Init`): new tensors, ties kept
         for name, t in [*self.module.named_parameters(), *self.module.named_buffers()]:
+            if name not in current and t.is_meta and isinstance(t, torch.nn.Parameter):
+                # Stage 3, a meta-built model: an empty tensor on the state's device, as DeepSpeed's
+                # partitioned parameters are (the same object: optimizer groups keep holding it).
+                torch.utils.swap_tensors(t, torch.nn.Parameter(torch.empty(0, dtype=st.cfg.compute_dtype, device=st.device),
+                                                               requires_grad=t.requires_grad))
+                continue
             if name not in current:
                 continue
             if t.is_meta:  # a meta tensor cannot take another device's data: put a new one in its places
