@@ -191,3 +191,15 @@ def bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     """Equal dtypes and bytes (so NaN equals NaN, and -0.0 differs from 0.0)."""
     return len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(_bytes(x), _bytes(y))
                                     for x, y in zip(a, b))
+
+
+def side_by_side(engine: Any, ref: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    """``steps`` updates of ``engine`` and of ``ref`` with torch's ``opt``, on the same inputs
+    (``randn(1, 3)`` seeded by the step) and loss (the output's sum of squares)."""
+    for i in range(steps):
+        x = torch.randn(1, 3, generator=torch.Generator().manual_seed(i))
+        engine.backward(engine(x).square().sum())
+        engine.step()
+        ref(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()

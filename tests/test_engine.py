@@ -10,7 +10,7 @@ from torch import nn
 
 import zfunc
 
-from tests.helpers import run_ranks
+from tests.helpers import run_ranks, side_by_side
 
 
 def _model() -> nn.Module:
@@ -487,16 +487,11 @@ def test_the_optimizer_view_state_holds_the_moments_as_torchs_adamw_does():
     ref.load_state_dict(model.state_dict())
     model[0].bias.requires_grad_(False)
     ref[0].bias.requires_grad_(False)
+    adamw = {"type": "AdamW", "params": {"lr": 0.1, "weight_decay": 0.01}}
     engine, optimizer, *_ = zfunc.initialize(model=model, config={
-        "train_batch_size": 1, "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 0.1, "weight_decay": 0.01}}})
+        "train_batch_size": 1, "gradient_clipping": 0.0, "optimizer": adamw})
     opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=0.1, weight_decay=0.01)
-    for i in range(2):
-        x = torch.randn(1, 3, generator=torch.Generator().manual_seed(i))
-        engine.backward(engine(x).square().sum())
-        engine.step()
-        ref(x).square().sum().backward()
-        opt.step()
-        opt.zero_grad()
+    side_by_side(engine, ref, opt, 2)
     assert len(optimizer.state) == 3 and id(engine.module[0].bias) not in {id(p) for p in optimizer.state}
     for (name, p), q in zip(engine.module.named_parameters(), ref.parameters()):
         if p.requires_grad:

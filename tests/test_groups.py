@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import zfunc
-from tests.helpers import MODELS, bitwise_equal, run_ranks, snapshot, split
+from tests.helpers import MODELS, bitwise_equal, run_ranks, side_by_side, snapshot, split
 
 GA, MICRO, STEPS = 2, 2, 4
 
@@ -402,13 +402,7 @@ def test_deepspeeds_own_adam_classes_map_to_zfuncs_adam(name, adam_w_mode):
                                              config={"train_batch_size": 1, "gradient_clipping": 0.0})
     torch_cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
     opt = torch_cls(ref.parameters(), lr=0.1, weight_decay=0.1)
-    for i in range(3):
-        x = torch.randn(1, 3, generator=torch.Generator().manual_seed(i))
-        engine.backward(engine(x).square().sum())
-        engine.step()
-        ref(x).square().sum().backward()
-        opt.step()
-        opt.zero_grad()
+    side_by_side(engine, ref, opt, 3)
     full = zfunc.full_params(engine.state)
     assert all(torch.allclose(full[n], p, atol=1e-6) for n, p in ref.named_parameters())
     assert engine.config.optimizer.decoupled is adam_w_mode
