@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["ConfigError", "DeepSpeedAssertion", "CheckpointError", "refuse_create_graph", "check", "is_number", "is_finite_number",
-           "is_positive_int"]
+__all__ = ["ConfigError", "DeepSpeedAssertion", "CheckpointError", "refuse_create_graph", "check", "is_number",
+           "is_finite_number", "is_positive_int"]
 
 
 class ConfigError(ValueError):

@@ -142,8 +142,8 @@ class Engine(ConfigAccessors, torch.nn.Module):
             if name not in current and t.is_meta and isinstance(t, torch.nn.Parameter):
                 # Stage 3, a meta-built model: an empty tensor on the state's device, as DeepSpeed's
                 # partitioned parameters are (the same object: optimizer groups keep holding it).
-                torch.utils.swap_tensors(t, torch.nn.Parameter(torch.empty(0, dtype=st.cfg.compute_dtype, device=st.device),
-                                                               requires_grad=t.requires_grad))
+                empty = torch.empty(0, dtype=st.cfg.compute_dtype, device=st.device)
+                torch.utils.swap_tensors(t, torch.nn.Parameter(empty, requires_grad=t.requires_grad))
                 continue
             if name not in current:
                 continue
@@ -206,8 +206,8 @@ class Engine(ConfigAccessors, torch.nn.Module):
     @staticmethod
     def _check_scalar(loss: Any, what: str) -> None:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
-            raise DeepSpeedAssertion(f"engine.{what}(loss): expected a scalar tensor with a grad_fn; for a non-scalar "
-                             "output call out.backward(grad) directly")
+            raise DeepSpeedAssertion(f"engine.{what}(loss): expected a scalar tensor with a grad_fn; for a "
+                                     "non-scalar output call out.backward(grad) directly")
 
     # -- the step ----------------------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -226,8 +226,8 @@ class Engine(ConfigAccessors, torch.nn.Module):
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Override the boundary from now on (sticky, as in DeepSpeed)."""
         if not self.managed:
-            raise DeepSpeedAssertion("set_gradient_accumulation_boundary: with managed_gradient_accumulation false every "
-                              "step() is the boundary; call step() when the accumulation ends instead")
+            raise DeepSpeedAssertion("set_gradient_accumulation_boundary: with managed_gradient_accumulation false "
+                                     "every step() is the boundary; call step() when the accumulation ends instead")
         self._boundary = bool(is_boundary)
 
     @contextlib.contextmanager
@@ -251,8 +251,8 @@ class Engine(ConfigAccessors, torch.nn.Module):
             1
         """
         if not self.managed:
-            raise DeepSpeedAssertion("coalesce_grad_reduction: with managed_gradient_accumulation false the caller owns the "
-                              "boundary already; call step() after the backwards instead")
+            raise DeepSpeedAssertion("coalesce_grad_reduction: with managed_gradient_accumulation false the caller "
+                                     "owns the boundary already; call step() after the backwards instead")
         if self._coalescing:
             raise RuntimeError("coalesce_grad_reduction: already inside one; blocks do not nest")
         self._coalescing = True

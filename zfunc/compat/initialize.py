@@ -71,9 +71,9 @@ def initialize(model: torch.nn.Module, config: Mapping[str, Any] | str | os.Path
                           f"a torch.optim.Adam/AdamW/SGD/Adagrad/Muon or a list of them, got {type(optimizer).__name__}")
     fp32_states = [o for o in (optimizer if several else [optimizer]) if getattr(o, "fp32_optimizer_states", False)]
     if fp32_states and cfg.moment_dtype == torch.bfloat16:
-        raise DeepSpeedAssertion("optimizer: a DeepSpeedCPUAdam built with fp32_optimizer_states=True keeps fp32 moments, "
-                          "but bf16.bf16_optimizer_states asks for bf16 ones; build it with "
-                          "fp32_optimizer_states=False, or leave bf16_optimizer_states out")
+        raise DeepSpeedAssertion("optimizer: a DeepSpeedCPUAdam built with fp32_optimizer_states=True keeps fp32 "
+                                 "moments, but bf16.bf16_optimizer_states asks for bf16 ones; build it with "
+                                 "fp32_optimizer_states=False, or leave bf16_optimizer_states out")
     plan = plan_groups(model, cfg.optimizer, optimizer=optimizer, model_parameters=model_parameters)
     if cfg.param_groups and plan.dicts is not None:  # DeepSpeed's Muon config made its groups
         if optimizer is not None or len(plan.groups) > 1 or plan.groups[0].values():

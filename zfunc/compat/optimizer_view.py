@@ -28,8 +28,8 @@ __all__ = ["GroupPlan", "plan_groups", "OptimizerView", "HYPER_KEYS"]
 
 HYPER_KEYS = ("lr", "weight_decay", "betas", "eps", "momentum", "dampening", "lr_decay")
 # torch optimizer group keys that change nothing at these values (or are bookkeeping).
-_NEUTRAL = {"bias_correction": (True,), "amsgrad": (False,), "maximize": (False,), "foreach": (None, False, True), "capturable": (False,),
-            "differentiable": (False,), "fused": (None, False, True)}
+_NEUTRAL = {"bias_correction": (True,), "amsgrad": (False,), "maximize": (False,), "foreach": (None, False, True),
+            "capturable": (False,), "differentiable": (False,), "fused": (None, False, True)}
 _BOOKKEEPING = {"initial_lr", "name", "decoupled_weight_decay", "nesterov", "initial_accumulator_value",
                 "ns_coefficients", "ns_steps", "adjust_lr_fn"}
 # The torch optimizers zfunc maps, and the keys that must agree across their groups.
@@ -99,10 +99,11 @@ def plan_groups(model: torch.nn.Module, base: Any, *, optimizer: Any = None,
         several = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
         odd = [type(o).__name__ for o in several if _kind(o) is None]
         if odd or not several:
-            raise DeepSpeedAssertion(f"optimizer: zfunc maps torch.optim.Adam, AdamW, SGD, Adagrad and Muon and DeepSpeed's "
-                              f"FusedAdam and DeepSpeedCPUAdam (one, or a list of them, e.g. [Muon(matrices), "
-                              f"AdamW(rest)]), or a zfunc optimizer record; got {odd or 'an empty list'} (zfunc "
-                              f"runs the update math itself, so an optimizer it does not know cannot be sharded)")
+            raise DeepSpeedAssertion(
+                f"optimizer: zfunc maps torch.optim.Adam, AdamW, SGD, Adagrad and Muon and DeepSpeed's FusedAdam and "
+                f"DeepSpeedCPUAdam (one, or a list of them, e.g. [Muon(matrices), AdamW(rest)]), or a zfunc optimizer "
+                f"record; got {odd or 'an empty list'} (zfunc runs the update math itself, so an optimizer it does not "
+                "know cannot be sharded)")
         base = _from_torch(several[0])
         dicts = [d for o in several for d in o.param_groups]
         own = [None if j == 0 else _from_torch(o) for j, o in enumerate(several) for _ in o.param_groups]
