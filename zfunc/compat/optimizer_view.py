@@ -193,14 +193,11 @@ class _LocalState(Mapping):
     (write with `zfunc.utils.safe_set_full_optimizer_state`). No collective: every rank reads its own."""
 
     def __init__(self, engine: Engine):
-        from zfunc.compat.utils import _KEYS
+        from zfunc.compat.utils import moment_keys
 
         named, state = dict(engine.module.named_parameters()), engine.state
         self._params = [named[n] for n in state.layout.names if n in named]
-        moments = [opt.moments for opt in opt_state.optimizers(state.cfg)]
-        of = opt_state.optimizer_of(state.cfg)
-        self._keys = {id(named[n]): [k for k, ours in _KEYS.items() if ours in moments[of[state.layout.group_of[n]]]]
-                      for n in state.layout.names if n in named}
+        self._keys = {id(named[n]): moment_keys(state, n) for n in state.layout.names if n in named}
 
     def __getitem__(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         from zfunc.compat.utils import safe_get_local_optimizer_state

@@ -227,14 +227,19 @@ def _store_moment(state: Any, name: str, key: str, arena: torch.Tensor) -> None:
         packed.copy_(opt_state.pack(arena, opt_state.runs(state.cfg, state.layout)[k]))
 
 
+def moment_keys(state: Any, name: str) -> list[str]:
+    """DeepSpeed's names of the moments the optimizer stepping parameter ``name`` keeps."""
+    opt = opt_state.optimizers(state.cfg)[opt_state.optimizer_of(state.cfg)[state.layout.group_of[name]]]
+    return [k for k, ours in _KEYS.items() if ours in opt.moments]
+
+
 def _moment(state: Any, key: str, name: str) -> torch.Tensor:
     """The moment ``key`` (DeepSpeed's name) of the optimizer stepping ``name``, laid out like the master."""
     k = opt_state.optimizer_of(state.cfg)[state.layout.group_of[name]]
-    opt = opt_state.optimizers(state.cfg)[k]
-    ours = _KEYS.get(key)
-    if ours is None or ours not in opt.moments:
-        raise ValueError(f"optim_state_key: {key!r} is not a moment of {opt.name}, which steps {name!r} (it keeps "
-                         f"{[k for k, v in _KEYS.items() if v in opt.moments]})")
+    if key not in moment_keys(state, name):
+        raise ValueError(f"optim_state_key: {key!r} is not a moment of {opt_state.optimizers(state.cfg)[k].name}, "
+                         f"which steps {name!r} (it keeps {moment_keys(state, name)})")
+    ours = _KEYS[key]
     runs = opt_state.runs(state.cfg, state.layout)[k]
     return opt_state.spread(getattr(opt_state.records(state)[k], ours), runs, state.params.numel())
 
