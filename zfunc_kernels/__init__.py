@@ -338,11 +338,12 @@ def fused_muon_apply(master: torch.Tensor, update: torch.Tensor, scalars: StepSc
     _fused_slot("muon_apply", master, update, update, scalars, MuonApplyHyper(*hyper), compute, backend)
 
 
-def accumulate(out: torch.Tensor, x: torch.Tensor, *, overwrite: bool = False,
+def accumulate(out: torch.Tensor, x: torch.Tensor, *, overwrite: bool = False, scale: float = 1.0,
                backend: str | None = None) -> torch.Tensor:
-    """Adds ``x`` to the float32 ``out`` in place (writes it there with ``overwrite``), reading
-    ``x`` in its own format: a 16-bit gradient widened while it is added, with no float32
-    copy of it. Exact: each element is widened without rounding and added once.
+    """Adds ``x * scale`` to the float32 ``out`` in place (writes it there with ``overwrite``),
+    reading ``x`` in its own format: a 16-bit gradient widened while it is added, with no float32
+    copy of it. Each element is widened without rounding, multiplied by ``scale`` (a float32;
+    exact for powers of two) and added once.
 
     On the CPU this is one numba pass (torch widens bfloat16 several times slower than it
     adds); elsewhere torch's ``add_``/``copy_``, which are bandwidth-bound on a GPU already.
@@ -351,7 +352,8 @@ def accumulate(out: torch.Tensor, x: torch.Tensor, *, overwrite: bool = False,
         out: 1-D contiguous float32 tensor.
         x: 1-D contiguous float32, bfloat16 or float16 tensor with as many elements, on
             ``out``'s device.
-        overwrite: ``out = x`` instead of ``out += x``.
+        overwrite: ``out = x * scale`` instead of ``out += x * scale``.
+        scale: the factor (`zfunc.autograd.average`: the data-parallel mean), default 1.
         backend: ``None`` (by device: ``"cpu"`` for CPU tensors, else torch), ``"cpu"`` or
             ``"torch"``.
 
@@ -363,11 +365,13 @@ def accumulate(out: torch.Tensor, x: torch.Tensor, *, overwrite: bool = False,
         >>> out = torch.ones(3)
         >>> zfunc_kernels.accumulate(out, torch.tensor([0.5, -1.0, 2.0], dtype=torch.bfloat16)).tolist()
         [1.5, 0.0, 3.0]
+        >>> zfunc_kernels.accumulate(out, torch.tensor([2.0, 4.0, 1.0]), scale=0.5).tolist()
+        [2.5, 2.0, 3.5]
     """
     _check_vector("out", out, (torch.float32,), out.numel(), out.device)
     _check_vector("x", x, _MASTER, out.numel(), out.device)
     name = _resolve(backend, x)
-    (_impl("cpu") if name == "cpu" else _reference).accumulate(out, x, overwrite)
+    (_impl("cpu") if name == "cpu" else _reference).accumulate(out, x, overwrite, float(scale))
     return out
 
 

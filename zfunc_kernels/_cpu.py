@@ -294,22 +294,24 @@ def convert_kernel(src: Any, dst: Any) -> None:  # pragma: no cover - compiled
 
 
 @numba.njit(inline="never", **_BLOCK_OPTS)
-def _accumulate_block(out: Any, x: Any, lo: int, hi: int, overwrite: bool) -> None:  # pragma: no cover
+def _accumulate_block(out: Any, x: Any, lo: int, hi: int, overwrite: bool,
+                      scale: Any) -> None:  # pragma: no cover - compiled
     if overwrite:
         for i in range(lo, hi):
-            out[i] = load(x, i)
+            out[i] = load(x, i) * scale
     else:
         for i in range(lo, hi):
-            out[i] += load(x, i)
+            out[i] += load(x, i) * scale
 
 
 @numba.njit(**_NJIT)
-def accumulate_kernel(out: Any, x: Any, overwrite: bool) -> None:  # pragma: no cover - compiled
-    """``out[i] += x[i]`` (``=`` with ``overwrite``) into float32 ``out``, ``x`` in any storage format."""
+def accumulate_kernel(out: Any, x: Any, overwrite: bool, scale: Any) -> None:  # pragma: no cover - compiled
+    """``out[i] += x[i] * scale`` (``=`` with ``overwrite``) into float32 ``out``, ``x`` in any
+    storage format, ``scale`` a float32."""
     n = out.size
     for b in prange((n + BLOCK - 1) // BLOCK):
         lo = b * BLOCK
-        _accumulate_block(out, x, lo, min(n, lo + BLOCK), overwrite)
+        _accumulate_block(out, x, lo, min(n, lo + BLOCK), overwrite, scale)
 
 
 # --------------------------------------------------------------------------- torch entry points
@@ -376,7 +378,7 @@ def fused_slot_update(kind: str, vectors: SlotVectors, scalars: StepScalars, hyp
         kernel(master, grad, slot, compute, *rest, tuple(float(h) for h in hyper))
 
 
-def accumulate(out: torch.Tensor, x: torch.Tensor, overwrite: bool) -> None:
+def accumulate(out: torch.Tensor, x: torch.Tensor, overwrite: bool, scale: float = 1.0) -> None:
     """Runs :func:`accumulate_kernel` on CPU tensors (see ``zfunc_kernels.accumulate``).
 
     Examples:
@@ -385,7 +387,7 @@ def accumulate(out: torch.Tensor, x: torch.Tensor, overwrite: bool) -> None:
         [1.5, 3.0]
     """
     with torch_threads():
-        accumulate_kernel(as_numpy(out), as_numpy(x), overwrite)
+        accumulate_kernel(as_numpy(out), as_numpy(x), overwrite, np.float32(scale))
 
 
 def overflow_sumsq(x: torch.Tensor, out: torch.Tensor) -> None:

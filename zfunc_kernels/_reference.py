@@ -77,18 +77,22 @@ def fused_adam(vectors: AdamVectors, scalars: StepScalars, hyper: AdamHyper) -> 
     step.add_((~skip).to(step.dtype))
 
 
-def accumulate(out: torch.Tensor, x: torch.Tensor, overwrite: bool) -> None:
-    """Reference ``out += x`` (``out.copy_(x)`` with ``overwrite``), widening ``x`` to float32.
+def accumulate(out: torch.Tensor, x: torch.Tensor, overwrite: bool, scale: float = 1.0) -> None:
+    """Reference ``out += x * scale`` (``out = x * scale`` with ``overwrite``), ``x`` widened to
+    float32 first and the product rounded once to float32.
 
     Examples:
         >>> out = torch.ones(2)
         >>> accumulate(out, torch.tensor([0.5, 2.0], dtype=torch.bfloat16), True); out.tolist()
         [0.5, 2.0]
     """
+    wide = x.to(torch.float32)
+    if scale != 1.0:
+        wide = wide * torch.tensor(scale, dtype=torch.float32)
     if overwrite:
-        out.copy_(x)
+        out.copy_(wide)
     else:
-        out.add_(x)
+        out.add_(wide)
 
 
 def overflow_sumsq(x: torch.Tensor, out: torch.Tensor) -> None:

@@ -1,10 +1,9 @@
 """`torch.func.vmap` through zfunc's autograd Functions.
 
 zfunc's Functions work on the state's tensors (the compute buffer, sinks, collectors), which a
-user's ``vmap`` over the bound model never batches; only `zfunc.autograd.cotangent.ScaleCotangent` sees
-the model's (batched) inputs and outputs, and it is the identity in forward. So one rule serves
-them all: apply the Function to the inputs as they are, and an output is batched along the dim
-of its one batched input.
+user's ``vmap`` over the bound model never batches. So one rule serves them all: apply the
+Function to the inputs as they are, and an output is batched along the dim of its one batched
+input.
 """
 
 from __future__ import annotations

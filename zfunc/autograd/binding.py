@@ -12,15 +12,13 @@ binding weakly: they leave the module when no state holds the binding, or at
 during the call and in the call's autograd graph after it, never in attributes of the user's
 modules or tensors.
 
-`ModuleBinding.bind` gives a `BoundModel`: the module as a function of its inputs, running on
-one state's tensors through `torch.func.functional_call`, with the cotangent factor on its
-outputs (`zfunc.autograd.cotangent`) and its buffers' new values kept for the state that follows.
+`ModuleBinding.bind` gives a `zfunc.autograd.bound.BoundModel`: the module as a function of its
+inputs, running on one state's tensors.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import copy
 import weakref
 from collections.abc import Callable, Sequence
@@ -30,39 +28,20 @@ import torch
 from torch.func import functional_call
 from torch.utils.hooks import RemovableHandle
 
-from zfunc.autograd import cotangent
-from zfunc._tree import tree
-from zfunc.autograd.buckets import Bucket, Fold, ShardPool, bucket_views, local_views, plan_buckets
-from zfunc.autograd.cotangent import scale_tree
+from zfunc.autograd import calls
+from zfunc.autograd.average import Average
+from zfunc.autograd.bound import BoundModel
+from zfunc.autograd.buckets import Bucket, Fold, ShardPool, plan_buckets
 from zfunc.autograd.swap import Swapped, put_back, swap_in
-from zfunc.autograd.gather import UnitGatherer, check_same_units, graph_task
+from zfunc.autograd.gather import UnitGatherer, graph_task
 from zfunc.autograd.gather import in_backward as _in_backward
 from zfunc.distributed.layout import Layout
-from zfunc.autograd.forward_gather import ROOT, Gathering, GatherPlan, Unbound, UnitViews, plan_gathers, start_gathers
+from zfunc.autograd.forward_gather import GatherPlan, Unbound, UnitViews, plan_gathers
 
 if TYPE_CHECKING:
     from zfunc.core.state import TrainState
 
 __all__ = ["ModuleBinding", "BoundModel", "was_donated"]
-
-# The forward call running now (set by `BoundModel.__call__`).
-_CURRENT: contextvars.ContextVar[BoundModel | None] = contextvars.ContextVar("zfunc_call", default=None)
-# How many zfunc calls are running (any thread): a plain int that hooks compiled by dynamo read
-# without a graph break (`ContextVar.get` breaks the graph), before they ask `_CURRENT`.
-CALLS = 0
-
-
-def _enter(model: BoundModel) -> contextvars.Token:
-    global CALLS
-    CALLS += 1
-    return _CURRENT.set(model)
-
-
-def _leave(token: contextvars.Token) -> None:
-    global CALLS
-    CALLS -= 1
-    _CURRENT.reset(token)
-
 
 # Modules whose parameter storage `init(..., donate=True)` took (empty for good).
 _DONATED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
@@ -136,6 +115,16 @@ class ModuleBinding:
             for name, t in named:
                 if first.setdefault(id(t), name) != name:
                     self.aliases.setdefault(first[id(t)], []).append(name)
+        # Every name a parameter or buffer has -> its first name; and each entry of the module's
+        # containers as ``(container, attribute, name)`` (what a bound model compares per call).
+        self.canonical = {other: first for first, others in self.aliases.items() for other in others}
+        modules = dict(module.named_modules(remove_duplicate=False))
+        self.entries: list[tuple[dict[str, Any], str, str]] = []
+        for kind, named in (("_parameters", module.named_parameters(remove_duplicate=False)),
+                            ("_buffers", module.named_buffers(remove_duplicate=False))):
+            for name, _ in named:
+                parent, _, attr = name.rpartition(".")
+                self.entries.append((getattr(modules[parent], kind), attr, name))
         self._frames: list[Any] = []
         # Unit parameters by name as the module holds them outside their unit's forward
         # (placeholders that refuse to compute), so the enclosing functional_call restores them.
@@ -190,7 +179,7 @@ class ModuleBinding:
 
         def pre(slots: list) -> Any:
             def hook(mod: torch.nn.Module, args: Any) -> None:
-                if cotangent.BACKWARDS == 0:  # a forward: nothing to do (and compiled blocks trace this)
+                if calls.BACKWARDS == 0:  # a forward: nothing to do (and compiled blocks trace this)
                     return
                 b = me()
                 if b is not None:
@@ -198,7 +187,7 @@ class ModuleBinding:
             return hook
 
         def post(mod: torch.nn.Module, args: Any, out: Any) -> None:
-            if cotangent.BACKWARDS == 0:
+            if calls.BACKWARDS == 0:
                 return
             b = me()
             if b is not None:
@@ -212,7 +201,7 @@ class ModuleBinding:
     def _rebind_in(self, mod: torch.nn.Module, slots: list[tuple[str, torch.nn.Module, str]]) -> bool:
         """In a forward recomputed during backward: put the parameters of the call whose backward
         this is in place (`_source`: found from the graph)."""
-        if _CURRENT.get() is not None or not _in_backward():
+        if calls.current() is not None or not _in_backward():
             return False
         source = self._source()
         if source is None:
@@ -224,8 +213,8 @@ class ModuleBinding:
 
     def _source(self) -> Any:
         """The call whose backward is running now, for a forward recomputed in it: among the calls
-        whose graph lives, the one this backward entered through its outputs (`ScaleCotangent`
-        notes the graph task on it), else the only one. Two are ambiguous: refused."""
+        whose graph lives, the one this backward entered through its outputs (the marker on their
+        nodes notes the graph task on it, `zfunc.autograd.calls`), else the only one. Two are ambiguous: refused."""
         live = list(self._pending)
         task = graph_task()
         mine = [c for c in live if task in c.tasks] or live
@@ -259,7 +248,7 @@ class ModuleBinding:
 
     def _call(self) -> UnitGatherer | UnitViews | None:
         """The units of the call of this binding that a unit module running now belongs to."""
-        call = _CURRENT.get()
+        call = calls.current()
         if call is not None:
             return call.units if call.state.binding is self else None
         if self.stage == 3 and _in_backward():
@@ -299,7 +288,7 @@ class ModuleBinding:
         return hook
 
     def _refuse(self, *_: Any) -> None:
-        if _CURRENT.get() is None and not _in_backward() and not self._members:  # routed calls are zfunc's
+        if calls.current() is None and not _in_backward() and not self._members:  # routed calls are zfunc's
             _refuse_donated(self.module)
 
     def donate(self) -> None:
@@ -314,7 +303,7 @@ class ModuleBinding:
         me = weakref.ref(self)
 
         def refuse(mod: torch.nn.Module, args: Any) -> None:
-            if CALLS:  # inside a zfunc call (read first: a compiled block's hook traces without a break)
+            if calls.CALLS:  # inside a zfunc call (read first: a compiled block's hook traces without a break)
                 return
             b = me()
             if b is not None:
@@ -332,8 +321,8 @@ class ModuleBinding:
 
     def route(self, bound: Callable[[], BoundModel]) -> None:
         """Calls of the module itself run on the state ``bound()`` binds, as calls of the bound
-        model do (the engine's ``engine.module``): same parameters, gradients into the state,
-        the cotangent factor on inputs and outputs. Two hooks on the top module do it."""
+        model do (the engine's ``engine.module``): same parameters, gradients into the state.
+        Two hooks on the top module do it."""
         modules = dict(self.module.named_modules(remove_duplicate=False))
         canon = {id(t): n for n, t in [*self.module.named_parameters(), *self.module.named_buffers()]}
         self._members = []
@@ -352,7 +341,7 @@ class ModuleBinding:
 
     def _route_in(self, bound: Callable[[], BoundModel], args: tuple, kwargs: dict) -> Any:
         self._frames.append(None)
-        if _CURRENT.get() is not None:  # zfunc's own call (functional_call) of the module
+        if calls.current() is not None:  # zfunc's own call (functional_call) of the module
             return None
         model = bound()
         tensors, args, kwargs, contexts = model.prepare(args, kwargs)
@@ -362,12 +351,12 @@ class ModuleBinding:
         restore = (swap_in((entries, attr, tensors[name]) for entries, attr, name in members),
                    [name for _, _, name in members])
         stack = contextlib.ExitStack()
-        token = _enter(model)
+        token = calls.enter(model)
         try:
             for c in contexts:
                 stack.enter_context(c)
         except BaseException:
-            _leave(token)
+            calls.leave(token)
             self._put_back(restore, tensors)
             raise
         self._frames[-1] = (model, tensors, restore, token, stack)
@@ -379,7 +368,7 @@ class ModuleBinding:
             return None
         model, tensors, restore, token, stack = frame
         stack.close()
-        _leave(token)
+        calls.leave(token)
         self._put_back(restore, tensors)
         return model.finish(out, tensors)
 
@@ -427,126 +416,17 @@ class ModuleBinding:
         self.gather_plan = None  # no hook waits for a unit now: apply_step gathers before returning
 
     def bind(self, state: TrainState, sinks: Sequence[torch.Tensor], buffers: dict[str, torch.Tensor],
-             fold: Fold | None = None) -> BoundModel:
-        """The module as a function of its inputs on ``state``'s parameters and ``buffers``."""
-        return BoundModel(state, list(sinks), buffers, fold)
+             fold: Fold | None = None, avg: Average | None = None) -> BoundModel:
+        """The module as a function of its inputs on ``state``'s parameters and ``buffers``,
+        parameter gradients multiplied by ``avg.factor`` as they enter (default
+        ``1 / (grad_accum * world)``)."""
+        return BoundModel(state, list(sinks), buffers, fold, avg)
 
-
-class BoundModel:
-    """The module as a function of its inputs, running on one state's tensors.
-
-    Gradients of anything computed from its outputs reach ``sinks`` (see
-    `zfunc.core.backward.sinks_into`). ``buffers`` (cloned by the caller unless donated) receive
-    the buffers' new values, e.g. BatchNorm running statistics, for the state that follows.
-    With ``fold`` (stages 0-1, the step's last micro-batch) backward reduces the accumulator.
-    """
-
-    def __init__(self, state: TrainState, sinks: list[torch.Tensor], buffers: dict[str, torch.Tensor],
-                 fold: Fold | None = None):
-        self.state, self.sinks, self.buffers, self.fold = state, sinks, buffers, fold
-        # During a call (`prepare` to `finish`; the call's graph holds what a backward needs):
-        self.gatherer: UnitGatherer | None = None  # stage 3
-        self.units: UnitGatherer | UnitViews | None = None  # what the unit modules' hooks bind
-        self.call: Any = None  # the call's `Rebind` or `UnitGatherer` (`ModuleBinding._source`)
-        self.pending: Gathering | None = None  # stages 1-2: the other ranks' slices being gathered
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        tensors, args, kwargs, contexts = self.prepare(args, kwargs)
-        token = _enter(self)
-        try:
-            with contextlib.ExitStack() as stack:
-                for c in contexts:
-                    stack.enter_context(c)
-                binding = self.state.binding
-                for name, others in binding.aliases.items():
-                    if name in tensors:
-                        tensors.update(dict.fromkeys(others, tensors[name]))
-                out = functional_call(binding.module, tensors, args, kwargs, tie_weights=False, strict=False)
-        except BaseException:
-            with contextlib.suppress(Exception):  # collect the gathers started ahead (the error stays the news)
-                if self.gatherer is not None:
-                    self.gatherer.drop_ahead()
-                if self.pending is not None:
-                    self.pending.wait_all()
-            raise
-        finally:
-            _leave(token)
-        return self.finish(out, tensors)
-
-    def prepare(self, args: tuple, kwargs: dict) -> tuple[dict[str, torch.Tensor], tuple, dict, list[Any]]:
-        """What a call runs on (parameter views, frozen parameters, buffers), its inputs (cast,
-        with ``1 / factor`` on their cotangents) and the contexts to run it in."""
-        state = self.state
-        lay, cfg, binding = state.layout, state.cfg, state.binding
-        if not _in_backward():  # no backward runs here: forget any a raised error left counted
-            cotangent.BACKWARDS = 0
-        tensors = {**binding.unit_params, **state.frozen, **self.buffers}
-        if state.stage == 3:  # the root unit now; the others when their modules run
-            hint = binding.unit_order or [i for i, u in enumerate(lay.units) if u.name != "root"]
-            self.units = self.gatherer = gatherer = UnitGatherer(state, self.sinks, hint)
-            tensors.update(gatherer.root_views())
-            contexts: list[Any] = [gatherer.saved_tensor_hooks()]
-            self.call = gatherer
-            if torch.is_grad_enabled() and not _in_backward():  # a backward will follow (its graph keeps it)
-                binding._pending.add(gatherer)
-        else:
-            if self.fold is not None:  # stages 0-1, the step's last micro-batch: reduced in backward
-                views, rebind = bucket_views(state, self.sinks[0], binding.buckets(state), binding._pool, self.fold)
-            elif cfg.shards_grads and state.mesh.shard.size > 1:  # reduce-scattered bucket by bucket
-                views, rebind = bucket_views(state, self.sinks[0], binding.buckets(state), binding._pool)
-            else:  # each gradient added into the local accumulator (a shard of one rank is all of it)
-                views, rebind = local_views(state, self.sinks[0], binding.buckets(state))
-            rebind.frozen = state.frozen
-            self.call = rebind
-            if torch.is_grad_enabled() and not _in_backward():  # a backward will follow (its graph keeps it)
-                binding._pending.add(rebind)
-            # Stages 1-2 after a step with units: this call gathers the other ranks' slices
-            # (`zfunc.autograd.forward_gather`), all issued now, each waited for as its unit's module starts.
-            pending = None if bool(state.gathered) else start_gathers(state)
-            if binding.gather_plan is not None:  # stages 1-2 with units: bound as their modules run
-                if pending is not None:
-                    pending.wait(ROOT)
-                self.units = UnitViews({n: views.pop(n) for n in binding.unit_params}, pending)
-            elif pending is not None:  # the hooks that would wait are gone (`ModuleBinding.remove`)
-                pending.wait_all()
-            self.pending = pending
-            tensors.update(views)
-            contexts = []
-        if cfg.autocast is None and cfg.compute_dtype != torch.float32:
-            # Like FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True): a low-precision model
-            # takes its floating-point inputs in its own dtype.
-            args, kwargs = _cast_floats((args, kwargs), cfg.compute_dtype)
-        (args, kwargs), _ = scale_tree((args, kwargs), 1 / cotangent_factor(state))
-        if cfg.autocast:
-            contexts.append(torch.autocast(state.device.type, dtype=cfg.autocast))
-        return tensors, args, kwargs, contexts
-
-    def finish(self, out: Any, tensors: dict[str, torch.Tensor]) -> Any:
-        """After the forward: check the stage-3 units, keep the buffers' new values, and put the
-        cotangent factor on the outputs."""
-        state = self.state
-        if self.pending is not None:  # a unit the forward did not run: its slices are gathered too
-            self.pending.wait_all()
-            self.pending = None
-        if self.gatherer is not None:
-            self.gatherer.hub = None  # the graph keeps the collector now (no cycle through it: see gather)
-            self.gatherer.drop_ahead()  # what the forward's prefetch gathered and did not use
-            if state.group.size > 1 and state.device.type == "cpu":
-                check_same_units(self.gatherer.order, state.group)  # a host read: free on the CPU only
-            if not _in_backward():
-                state.binding.unit_order = list(self.gatherer.order)  # the next forward's prefetch hint
-        for name in self.buffers:  # a buffer the module reassigned (not updated in place)
-            self.buffers[name] = tensors[name]
-        exact = bool(cotangent_factor(state) == 1) and state.cfg.loss_scale is None
-        # From here the call's graph holds the call (its outputs' nodes), the bound model does not
-        call, self.call, self.gatherer, self.units = self.call, None, None, None
-        scaled, count = scale_tree(out, cotangent_factor(state), exact, call)
-        if count == 0 and torch.is_grad_enabled():
-            raise TypeError(
-                f"zfunc found no differentiable tensor in the model's output (a {type(out).__name__}) to "
-                "attach the loss scale and 1/(grad_accum * world) to; return tensors, or tuples, lists, "
-                "dicts or dataclasses registered with zfunc.tree")
-        return scaled
+    def note_pending(self, call: Any) -> None:
+        """``call`` (a `Rebind` or `UnitGatherer`) has a backward to come, when autograd records
+        one: a forward recomputed in that backward may need it (`_source`)."""
+        if torch.is_grad_enabled() and not _in_backward():
+            self._pending.add(call)
 
 
 def _rebuilt(module: torch.nn.Module, layout: Layout, stage: int, units: Sequence[tuple[str, Sequence[str]]],
@@ -556,21 +436,3 @@ def _rebuilt(module: torch.nn.Module, layout: Layout, stage: int, units: Sequenc
     if donated:
         binding.donate()
     return binding
-
-
-def cotangent_factor(state: TrainState) -> torch.Tensor:
-    """``loss_scale / (grad_accum * world)``: what a model-output cotangent is multiplied by
-    (``world`` is 1 with ``Config.grad_reduce="sum"``).
-
-    Examples:
-        >>> import torch, zfunc
-        >>> state = zfunc.init(torch.nn.Linear(1, 1), zfunc.Config(grad_accum=4))
-        >>> cotangent_factor(state).item()
-        0.25
-    """
-    ranks = state.group.size if state.cfg.grad_reduce == "mean" else 1
-    return state.scaler.scale / (state.cfg.grad_accum * ranks)
-
-
-def _cast_floats(x: Any, dtype: torch.dtype) -> Any:
-    return tree.map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, x)

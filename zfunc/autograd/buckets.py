@@ -44,6 +44,7 @@ import torch
 
 from zfunc.distributed import comm
 from zfunc.autograd._vmap import VmapAsIs
+from zfunc.autograd.average import Average
 from zfunc.errors import refuse_create_graph
 from zfunc.distributed.layout import Layout, Slot
 from zfunc.autograd.widen import add_into, copy_into
@@ -159,8 +160,9 @@ class _Reducer:
     once all its parameters are in, in bucket order; the collector waits for them all."""
 
     def __init__(self, state: TrainState, buckets: tuple[Bucket, ...], pool: ShardPool, sink: torch.Tensor,
-                 fold: Fold | None):
+                 fold: Fold | None, avg: Average):
         self.buckets, self.state, self.pool, self.sink, self.fold = buckets, state, pool, sink, fold
+        self.avg = avg  # the data-parallel mean, applied as each gradient is put in place
         self.group = reduce_group(state)
         self.dtype = state.cfg.reduce_dtype
         (unit,) = state.layout.units
@@ -225,9 +227,9 @@ class _Reducer:
             self.staged[k] = torch.empty(b.stop - b.start, dtype=self.dtype, device=self.state.device)
 
     def _place(self, k: int, offset: int, grad: torch.Tensor, again: bool = False) -> None:
-        n = grad.numel()
+        n, factor = grad.numel(), self.avg.factor
         if self.folds[k]:  # the step's last micro-batch at stages 0-1: into the local accumulator
-            add_into(self.out.narrow(0, offset, n), grad)
+            add_into(self.out.narrow(0, offset, n), grad, factor)
             return
         b, staged = self.buckets[k], self.staged[k]
         for owner, start, stop in b.pieces:
@@ -236,9 +238,9 @@ class _Reducer:
                 continue
             part = grad.narrow(0, lo - offset, hi - lo)
             if self.fold is None and self.direct and owner == self.group.rank:  # straight into our shard
-                add_into(self.out.narrow(0, lo - owner * self.shard, hi - lo), part)
+                add_into(self.out.narrow(0, lo - owner * self.shard, hi - lo), part, factor)
             else:  # a second part of the gradient adds to the first
-                (add_into if again else copy_into)(staged.narrow(0, lo - b.start, hi - lo), part)
+                (add_into if again else copy_into)(staged.narrow(0, lo - b.start, hi - lo), part, factor)
 
     def _start(self, k: int) -> None:
         b = self.buckets[k]
@@ -462,12 +464,12 @@ class Rebind:
 
 
 def bucket_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, ...], pool: ShardPool,
-                 fold: Fold | None = None) -> tuple[dict[str, torch.Tensor], Rebind]:
+                 avg: Average, fold: Fold | None = None) -> tuple[dict[str, torch.Tensor], Rebind]:
     """Parameter views of ``state.compute`` whose gradients reach ``sink`` bucket by bucket
-    (reduced into the full local accumulator with ``fold``, else reduce-scattered). Each
-    parameter is its own tap: no bucket-sized gradient is concatenated in backward. Also the
-    call's `Rebind`."""
-    reducer = _Reducer(state, buckets, pool, sink, fold)
+    (reduced into the full local accumulator with ``fold``, else reduce-scattered), each
+    multiplied by ``avg.factor`` as it is put in place. Each parameter is its own tap: no
+    bucket-sized gradient is concatenated in backward. Also the call's `Rebind`."""
+    reducer = _Reducer(state, buckets, pool, sink, fold, avg)
     hub = Collect.apply(reducer, sink)
     compute = state.compute  # at stages 1-2 with units, each piece read after forward gathered it (zfunc.autograd.forward_gather)
     rebind = _keep(hub, Rebind(compute, {s.name: (j, s) for j, (_, s) in enumerate(reducer.slots)}, reducer.take))
@@ -502,16 +504,16 @@ class _Sink(VmapAsIs, torch.autograd.Function):
         return torch.zeros((), dtype=ctx.dtype, device=_.device).expand(ctx.shape)
 
 
-def local_views(state: TrainState, sink: torch.Tensor,
-                buckets: tuple[Bucket, ...]) -> tuple[dict[str, torch.Tensor], Rebind]:
+def local_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, ...],
+                avg: Average) -> tuple[dict[str, torch.Tensor], Rebind]:
     """Parameter views of ``state.compute`` (stages 0-1, one unit) whose gradients backward adds,
-    bucket by bucket, into the full local accumulator ``sink.grad``: no flat gradient of the whole
-    unit is assembled first (a concatenation and a fresh unit-sized buffer per micro-batch). Also
-    the call's `Rebind`."""
+    times ``avg.factor``, bucket by bucket, into the full local accumulator ``sink.grad``: no flat
+    gradient of the whole unit is assembled first (a concatenation and a fresh unit-sized buffer
+    per micro-batch). Also the call's `Rebind`."""
     (unit,) = state.layout.units
 
     def add(start: int, grad: torch.Tensor) -> None:
-        add_into(sink.grad.narrow(0, start, grad.numel()), grad.reshape(-1))
+        add_into(sink.grad.narrow(0, start, grad.numel()), grad.reshape(-1), avg.factor)
 
     compute = state.compute
     hub = _Sink.apply(sink)

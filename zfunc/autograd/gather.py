@@ -33,6 +33,7 @@ import torch
 
 from zfunc.distributed import comm
 from zfunc.autograd._vmap import VmapAsIs
+from zfunc.autograd.average import Average
 from zfunc.autograd.buckets import Collect
 from zfunc.autograd.swap import Swapped, put_back, swap_in
 from zfunc.errors import refuse_create_graph
@@ -118,11 +119,13 @@ class _UnitReducer:
         self.pending: collections.deque = collections.deque()
         self.results: dict[int, torch.Tensor] = {}
 
-    def start(self, i: int, grad: torch.Tensor) -> None:
+    def start(self, i: int, grad: torch.Tensor, factor: float) -> None:
+        """Unit ``i``'s gradient is complete: reduce-scatter it; its shard is multiplied by
+        ``factor`` (the data-parallel mean) once it is in."""
         st = self.state
         wire = grad.to(st.cfg.reduce_dtype)  # only read by the reduce-scatter
         out, handle = comm.reduce_scatter_start(wire, "sum", st.mesh.shard)
-        self.pending.append((i, out, handle))
+        self.pending.append((i, out, handle, factor))
         gatherer = self.gatherer()
         if gatherer is not None:
             gatherer._done(i)  # the unit's backward is done: its regathered copy is not needed
@@ -130,8 +133,10 @@ class _UnitReducer:
             self._finish_one()
 
     def _finish_one(self) -> None:
-        i, out, handle = self.pending.popleft()
+        i, out, handle, factor = self.pending.popleft()
         handle.wait()
+        if factor != 1.0:
+            out.mul_(factor)
         if i in self.results:  # the unit ran twice in this call
             self.results[i].add_(out)
         elif out.untyped_storage().nbytes() > out.numel() * out.element_size():
@@ -167,12 +172,12 @@ class _GatherUnit(VmapAsIs, torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        ctx.reducer, ctx.i = inputs[1].reducer, inputs[2]
+        ctx.reducer, ctx.i, ctx.avg = inputs[1].reducer, inputs[2], inputs[1].avg
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         refuse_create_graph(torch.is_grad_enabled())
-        ctx.reducer.start(ctx.i, grad)
+        ctx.reducer.start(ctx.i, grad, ctx.avg.factor)
         return torch.zeros((), dtype=torch.float32, device=grad.device), None, None
 
 
@@ -181,11 +186,12 @@ class UnitGatherer:
     buffers gathered for the call (by storage address, while their module runs) and those
     gathered ahead of use. ``hint``: the units the previous forward ran, in order."""
 
-    def __init__(self, state: Any, sinks: list[torch.Tensor], hint: list[int]):
-        self.state, self.sinks = state, sinks
+    def __init__(self, state: Any, sinks: list[torch.Tensor], hint: list[int], avg: Average):
+        self.state, self.sinks, self.avg = state, sinks, avg
         self.live: dict[int, int] = {}  # storage address -> unit index, during the unit's forward
         self.regathered: dict[int, torch.Tensor] = {}
         self.swapped: dict[int, Swapped] = {}  # unit -> what to restore
+        self.hooks: dict[int, Any] = {}  # unit -> its saved-tensor hooks, while its module runs
         self.order: list[int] = []  # the units this call ran, in order
         self.entry: dict[int, int] = {}  # unit -> its place in `order`, while its module runs
         self.saved: set[int] = set()  # places in `order` whose saved tensors backward regathers
@@ -246,7 +252,10 @@ class UnitGatherer:
         if self.reducer is not None and not in_backward():
             return _GatherUnit.apply(self.hub, self, i)
         return _count_bytes(comm.unit_params(self.sinks[i], self._shard(i), None, st.mesh.shard, st.cfg.reduce_dtype,
-                                             True))
+                                             True, self._factor))
+
+    def _factor(self) -> float:
+        return self.avg.factor
 
     def regather(self, i: int) -> torch.Tensor:
         """Unit ``i`` in full again, for backward (shared by the saved tensors that need it); the
@@ -291,7 +300,8 @@ class UnitGatherer:
         return {n: frozen[n] if n in frozen else self._root_again[n] for n in names}
 
     def enter(self, i: int, slots: list[tuple[str, torch.nn.Module, str]]) -> None:
-        """Unit ``i``'s module starts: its parameters become views of the gathered unit."""
+        """Unit ``i``'s module starts: its parameters become views of the gathered unit, and
+        while it runs, tensors autograd saves from them are stored as recipes (`_saving`)."""
         full = self.gather(i)
         self.entry[i] = len(self.order)
         self.order.append(i)
@@ -300,26 +310,32 @@ class UnitGatherer:
             self.on_track = self.on_track and self.hint[p - 1:p] == [i]
             if self.on_track:
                 self._prefetch(self.hint[p:p + self.depth])
-        if not in_transform():  # what the saved-tensor hooks look saved tensors up in
-            self.live[full.untyped_storage().data_ptr()] = i
         views = self.state.layout.views(self.state.layout.units[i], full)
         # Restored by `leave`, and by the enclosing functional_call if forward raises.
         self.swapped[i] = swap_in((owner._parameters, attr, views[name]) for name, owner, attr in slots)
+        if self.reducer is not None and not in_transform():
+            self.live[full.untyped_storage().data_ptr()] = i  # what the saved-tensor hooks look up
+            hooks = self._saving()
+            hooks.__enter__()
+            self.hooks[i] = hooks
 
     def leave(self, i: int) -> None:
         """Unit ``i``'s module is done: release the gathered buffer (autograd keeps recipes)."""
+        hooks = self.hooks.pop(i, None)
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
         swapped = self.swapped.pop(i, [])
-        if not in_transform():
-            for entries, attr, _ in swapped:
-                self.live.pop(entries[attr].untyped_storage().data_ptr(), None)
+        for entries, attr, _ in swapped:
+            self.live.pop(entries[attr].untyped_storage().data_ptr(), None)
         put_back(swapped)
 
-    def saved_tensor_hooks(self) -> Any:
-        """Saved tensors that view a gathered unit are stored as recipes and regathered. Inside a
-        ``torch.func`` transform (which refuses saved-tensor hooks) none: autograd keeps the
-        gathered units it saves until backward, as without ZeRO-3."""
-        if in_transform():
-            return contextlib.nullcontext()
+    def _saving(self) -> Any:
+        """Saved-tensor hooks for the time one unit's module runs: a saved tensor that views a
+        gathered unit is stored as a recipe and regathered when backward needs it. Pushed per
+        unit, never around the whole call: a ``torch.func`` transform (which refuses saved-tensor
+        hooks) in the code around the units runs as it would without zfunc. Inside a transform
+        none are pushed: autograd keeps the gathered units it saves until backward, as without
+        ZeRO-3."""
         def pack(t: torch.Tensor) -> Any:
             i = self.live.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
             if i is None:

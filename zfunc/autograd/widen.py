@@ -24,30 +24,39 @@ def _kernel(out: torch.Tensor, x: torch.Tensor) -> bool:
             and x.is_contiguous() and out.numel() == x.numel() >= _MIN)
 
 
-def add_into(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``out += x`` in place (``x`` widened to ``out``'s dtype as it is added); returns ``out``.
+def add_into(out: torch.Tensor, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``out += x * scale`` in place (``x`` widened to ``out``'s dtype as it is added); returns
+    ``out``.
 
     Examples:
         >>> out = torch.ones(2)
         >>> add_into(out, torch.tensor([0.5, 2.0], dtype=torch.bfloat16)).tolist()
         [1.5, 3.0]
+        >>> add_into(out, torch.tensor([1.0, 2.0]), scale=0.5).tolist()
+        [2.0, 4.0]
     """
     if _kernel(out, x):
-        return zfunc_kernels.accumulate(out, x)
-    return out.add_(x)
+        return zfunc_kernels.accumulate(out, x, scale=scale)
+    return out.add_(x) if scale == 1.0 else out.add_(x, alpha=scale)
 
 
-def copy_into(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``out[:] = x`` (``x`` widened to ``out``'s dtype as it is copied); returns ``out``.
+def copy_into(out: torch.Tensor, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``out[:] = x * scale`` (``x`` widened to ``out``'s dtype first); returns ``out``.
 
     Examples:
         >>> out = torch.zeros(2)
         >>> copy_into(out, torch.tensor([0.5, 2.0], dtype=torch.bfloat16)).tolist()
         [0.5, 2.0]
+        >>> copy_into(out, torch.tensor([0.5, 2.0]), scale=0.5).tolist()
+        [0.25, 1.0]
     """
     if _kernel(out, x):
-        return zfunc_kernels.accumulate(out, x, overwrite=True)
-    return out.copy_(x)
+        return zfunc_kernels.accumulate(out, x, overwrite=True, scale=scale)
+    if scale == 1.0:
+        return out.copy_(x)
+    if out.dtype == x.dtype:
+        return torch.mul(x, scale, out=out)
+    return out.copy_(x).mul_(scale)
 
 
 def widened(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -5,9 +5,16 @@ The engine holds one `TrainState` and calls the same functions a functional loop
 binds the module to the state through sink leaves whose ``.grad`` *is* the state's gradient
 buffer, so every way of running backward (``engine.backward(loss)``, ``loss.backward()``,
 ``out.backward(grad)``, one loss over several engines, ``retain_graph``) accumulates straight
-into the state; ``step()`` records the micro-batch (`zfunc.core.backward.record_micro`, the record
-every functional step uses) and, at the boundary, runs `apply_step` donating the state. No hook
-counting and no private autograd API are involved.
+into the state; ``step()`` records the micro-batches (`zfunc.core.backward.record_micro`, the
+record every functional step uses) and, at the boundary, runs `apply_step` donating the state.
+
+Micro-batches are counted as DeepSpeed counts them: each backward that reaches the model is
+``1 / gradient_accumulation_steps`` of a step (``engine.backward`` divides its seed by it; a plain
+``loss.backward()`` gets the factor where the parameter gradients enter), and the boundary comes
+by ``step()`` count or `set_gradient_accumulation_boundary`. So Accelerate's loop (the boundary
+flag, N backwards, one ``step()``) and DeepSpeed's (a ``step()`` per backward) give the same
+mean. The backwards are told apart by autograd's graph task, read in the sinks' post-accumulate
+hook, which also refuses a plain backward under fp16 loss scaling, as DeepSpeed does.
 
 The engine takes the module over: at stage 3 `zfunc.init` is called with ``donate=True`` (the
 module's own parameter storage is freed, as DeepSpeed's ZeRO-3 does).
@@ -24,8 +31,10 @@ from typing import Any
 import torch
 
 from zfunc.distributed import comm
-from zfunc.core.backward import bind, boundary_fold, point_sinks, record_micro, sinks_into
+from zfunc.core.backward import bind, boundary_fold, loss_scaled, point_sinks, record_micro, sinks_into
+from zfunc.autograd.average import Average, ranks_averaged
 from zfunc.autograd.buckets import Fold
+from zfunc.autograd.gather import graph_task
 from zfunc.io.checkpoint import exists, load, read_extra, save
 from zfunc.io.deepspeed_checkpoint import is_deepspeed_checkpoint, read_deepspeed
 from zfunc.core.config import Config
@@ -72,7 +81,6 @@ class Engine(ConfigAccessors, torch.nn.Module):
         # however many backwards the caller ran (the caller owns the boundary).
         self.managed = managed
         self._stepping = False
-        self._backwards = 0
         self._coalescing = False  # inside coalesce_grad_reduction()
         self._coalesced = False  # the next step() ends a coalesced block
         self.module = model
@@ -83,7 +91,9 @@ class Engine(ConfigAccessors, torch.nn.Module):
         self._batch = batch
         self._boundary: bool | None = None
         self._applied = False
-        self._pending_loss: torch.Tensor | None = None
+        self._tasks: set[int] = set()  # the backwards that reached the model since the last step()
+        self._losses: list[torch.Tensor] = []  # the losses engine.backward saw since then
+        self._scaled = False  # the next backward's seed carries the loss scale (engine.backward/scale)
         state = init(model, cfg, group, donate=cfg.stage == 3)
         if deepspeed_masters and cfg.master_dtype != cfg.compute_dtype:  # DeepSpeed: masters of the cast model
             state = state.replace(params=masters_from_compute(state))
@@ -117,14 +127,28 @@ class Engine(ConfigAccessors, torch.nn.Module):
         self._state = state = settle(state)  # the module's parameters show every slice
         self._sinks = sinks_into(state, state.grads)
         self._fold: Fold | None = None  # the boundary's reduce in backward (stages 0-1), per step
-        for sink in self._sinks:  # notes that a backward reached the state since the last step()
+        self._avg = Average(state.cfg.grad_accum, ranks_averaged(state))
+        for sink in self._sinks:  # notes each backward that reaches the state (`_grad_arrived`)
             sink.register_post_accumulate_grad_hook(self._grad_arrived)
-        self._backward_seen = False
+        self._tasks, self._losses = set(), []
         self._share_module_params()
         register_params(self)  # for zfunc.utils' accessors (DeepSpeed's deepspeed.utils)
 
     def _grad_arrived(self, _: torch.Tensor) -> None:
-        self._backward_seen = True
+        """A backward reached the state (once per sink): count it once, by its graph task; under
+        loss scaling, refuse one whose seed did not carry the scale (DeepSpeed's rule)."""
+        task = graph_task()
+        if task in self._tasks:
+            return
+        self._tasks.add(task)
+        scaled, self._scaled = self._scaled, False
+        if self.config.loss_scale is not None and not scaled:
+            self._tasks.discard(task)
+            self.zero_grad()
+            raise RuntimeError(
+                "Loss scaling is required: this engine scales the loss (fp16 with a loss scale), and a plain "
+                "backward did not. Call engine.backward(loss), or engine.scale(loss).backward(). The gradients "
+                "accumulated since the last step() were dropped")
 
     def _share_module_params(self) -> None:
         """Stages 0-2: the module's parameters become views of the compute buffer (no copy; in
@@ -174,34 +198,38 @@ class Engine(ConfigAccessors, torch.nn.Module):
         if st is None:
             raise RuntimeError("engine: destroy() was called; build a new engine with zfunc.initialize")
         if not torch.is_grad_enabled():
-            return bind(st, self._sinks, donate=True)
+            return bind(st, self._sinks, donate=True, avg=self._avg)
         if is_released(st.grads):
             self._state = st = st.replace(grads=accumulator(st.grads, donate=True))
             point_sinks(self._sinks, st, st.grads)
         if self.is_gradient_accumulation_boundary() and self._fold is None:
             self._fold = boundary_fold(st)  # every call until step() shares it
-        return bind(st, self._sinks, donate=True, fold=self._fold)
+        return bind(st, self._sinks, donate=True, fold=self._fold, avg=self._avg)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
-        """Backward from a scalar ``loss``; returns the loss divided by ``grad_accum``.
-
-        Loss scaling and the ``1 / grad_accum`` factor live in the graph (on the model outputs),
-        so this is ``loss.backward()`` plus bookkeeping; ``scale_wrt_gas=False`` undoes the
-        ``1 / grad_accum`` for this backward.
-        """
+        """Backward from a scalar ``loss``, seeded with ``loss_scale / grad_accum`` (DeepSpeed's
+        ``engine.backward``; ``scale_wrt_gas=False`` leaves the ``1 / grad_accum`` out); returns
+        the loss divided by ``grad_accum`` (or as it is)."""
         self._check_scalar(loss, "backward")
-        self._backwards += 1
         ga = self.config.grad_accum
-        seed = None if scale_wrt_gas else torch.full_like(loss, float(ga))
-        loss.backward(seed, retain_graph=retain_graph)
+        seed = loss_scaled(self._state, torch.full_like(loss, 1.0 / ga if scale_wrt_gas else 1.0))
+        self._scaled = True
+        try:
+            with self._avg.seeded():  # the factor where gradients enter: 1 / world (the seed has the rest)
+                loss.backward(seed, retain_graph=retain_graph)
+        finally:
+            self._scaled = False
         detached = loss.detach().reshape(()).float()
-        self._pending_loss = detached if self._pending_loss is None else self._pending_loss + detached
+        self._losses.append(detached)
         return detached / ga if scale_wrt_gas else detached
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """DeepSpeed's ``engine.scale(loss)``: here the identity, as the scale is in the graph."""
+        """DeepSpeed's ``engine.scale(loss)``: the loss times the loss scale (itself without
+        scaling), for ``engine.scale(loss).backward()`` under fp16; the ``1 / grad_accum`` is
+        applied where the gradients enter, as for any plain backward."""
         self._check_scalar(loss, "scale")
-        return loss
+        self._scaled = True
+        return loss_scaled(self._state, loss)
 
     @staticmethod
     def _check_scalar(loss: Any, what: str) -> None:
@@ -269,7 +297,7 @@ class Engine(ConfigAccessors, torch.nn.Module):
         if lr_kwargs and self.config.lr_schedule is not None:
             raise ConfigError(f"engine.step(lr_kwargs={lr_kwargs!r}): the config's scheduler follows the "
                               "applied-step count in the state and takes no arguments")
-        if not self._backward_seen:
+        if not self._tasks:
             raise RuntimeError(
                 "engine.step(): no backward reached the model since the last step(); call engine.backward(loss) "
                 "(or loss.backward()) on a loss computed with engine(...) first. Nothing was changed")
@@ -286,17 +314,16 @@ class Engine(ConfigAccessors, torch.nn.Module):
                 "engine.step(): this micro-step's forward ran at the accumulation boundary, so its backward "
                 "reduced the gradients, but step() is not at the boundary (set_gradient_accumulation_boundary "
                 "changed in between); set the boundary before the forward. Nothing was changed")
-        self._backward_seen = False
-        st = record_micro(self._state, self._state.grads, loss=self._pending_loss, fold=self._fold)
-        self._pending_loss, self._fold = None, None
-        backwards, self._backwards = max(self._backwards, 1), 0
-        coalesced, self._coalesced = self._coalesced, False
-        if not self.managed or coalesced:  # the step applies what the backwards accumulated (each 1/grad_accum)
-            st = st.replace(micro_step=torch.full_like(st.micro_step, self.config.grad_accum))
+        backwards, losses = len(self._tasks), self._losses
+        known = torch.stack(losses).sum() if len(losses) == backwards else None  # else a plain backward ran
+        st = record_micro(self._state, self._state.grads, loss=known, fold=self._fold, micro_batches=backwards)
+        self._tasks, self._losses, self._fold = set(), [], None
+        self._coalesced = False
         if boundary:
+            # Each backward came in as 1 / grad_accum of a step: applied as it is, however many ran.
             # Gathered before step() returns (as DeepSpeed's): the module's parameters are views
             # of the compute buffer, readable by the user at any moment (no forward to gather them).
-            st = settle(apply_step(self._with_group_edits(st), donate=True))
+            st = settle(apply_step(self._with_group_edits(st), donate=True, micro_batches=self.config.grad_accum))
             point_sinks(self._sinks, st, st.grads)  # released: the step's gradient buffer is freed
             if self._batch and self.managed:
                 self.global_samples += self._batch.train_batch_size

@@ -56,7 +56,7 @@ def initialize(model: torch.nn.Module, config: Mapping[str, Any] | str | os.Path
     if kwargs:
         raise TypeError(f"initialize: unexpected arguments {sorted(kwargs)}")
     group = group or comm.world()
-    batch, managed = None, True
+    batch, managed, engine_scheduler = None, True, None
     if isinstance(config, Config):
         cfg = config
     else:

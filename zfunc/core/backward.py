@@ -5,9 +5,11 @@ parameters come from `zfunc.comm.unit_params`, whose backward delivers the unit'
 *sink* leaf whose ``.grad`` is the state's gradient buffer (full at stages 0-1, this rank's
 reduce-scattered shard at stages 2-3). So any way of running backward gives the same gradients.
 
-The loss scale and the ``1 / (grad_accum * world)`` factor are applied to the cotangent entering
-the model outputs (and removed again from the cotangent leaving the model inputs), so a
-non-scalar backward with a user-given gradient is scaled too, and models compose.
+Nothing touches what the model returns: the loss scale multiplies the loss (`backward_step`) or
+the cotangent (`vjp`), as ``GradScaler`` does, and the mean over ranks and micro-batches,
+``1 / (grad_accum * world)``, multiplies each parameter gradient where it enters the state
+(`zfunc.autograd.average`). A gradient through the model with respect to anything else (an input
+gradient, a penalty, ``jvp``) is torch's.
 
 Every way of adding a micro-batch ends in `record_micro`: the micro-step count, the loss sum
 (NaN for a micro-batch whose loss zfunc was not given) and the new buffers, in one place.
@@ -27,13 +29,14 @@ import torch
 
 from zfunc.distributed import comm
 from zfunc._tree import tree
-from zfunc.autograd.binding import BoundModel, cotangent_factor
+from zfunc.autograd.average import Average, ranks_averaged
+from zfunc.autograd.bound import BoundModel
 from zfunc.autograd.buckets import Fold, reduce_group
 from zfunc.core.donation import check_live, donate_
 from zfunc.core.state import TrainState, accumulator, host_flag
 
 __all__ = ["backward_step", "vjp", "accumulate", "record_micro", "check_room", "sinks_into", "point_sinks",
-           "grad_views", "bind", "boundary_fold", "check_sinks"]
+           "grad_views", "bind", "boundary_fold", "check_sinks", "loss_scaled"]
 
 
 def check_room(state: TrainState, what: str) -> None:
@@ -61,9 +64,11 @@ def check_room(state: TrainState, what: str) -> None:
 
 def record_micro(state: TrainState, grads: torch.Tensor, *, loss: torch.Tensor | None = None,
                  buffers: dict[str, torch.Tensor] | None = None, fold: Fold | None = None,
-                 forward: bool = False) -> TrainState:
-    """The state after one more micro-batch: its gradients in ``grads``, its loss (or NaN when
-    not known) added to ``loss_sum``, ``micro_step + 1``, and the buffers its forward left.
+                 forward: bool = False, micro_batches: int = 1) -> TrainState:
+    """The state after ``micro_batches`` more micro-batches (one, unless the engine ran several
+    backwards since its last ``step()``): their gradients in ``grads``, their summed loss (or NaN
+    when not known) added to ``loss_sum``, ``micro_step + micro_batches``, and the buffers their
+    forward left.
     With ``forward`` (the micro-batch ran the bound model, which gathers what a step left
     ungathered, `zfunc.autograd.forward_gather`) the state is ``gathered``.
 
@@ -90,7 +95,7 @@ def record_micro(state: TrainState, grads: torch.Tensor, *, loss: torch.Tensor |
                            "from a state saved before it")
     if reduced and state.stage == 1:
         grads = grads.narrow(0, *state.layout.owned_start_len(state.layout.units[0]))
-    return state.replace(grads=grads, micro_step=state.micro_step + 1, loss_sum=state.loss_sum + value,
+    return state.replace(grads=grads, micro_step=state.micro_step + micro_batches, loss_sum=state.loss_sum + value,
                          buffers=state.buffers if buffers is None else buffers, reduced=reduced,
                          gathered=host_flag(True) if forward else state.gathered)
 
@@ -117,15 +122,35 @@ def _ends_step(state: TrainState) -> Fold | None:
 
 
 def bind(state: TrainState, sinks: Sequence[torch.Tensor], *, donate: bool = False,
-         fold: Fold | None = None) -> BoundModel:
+         fold: Fold | None = None, avg: Average | None = None) -> BoundModel:
     """The module as a function of its inputs on ``state``'s parameters, gradients to ``sinks``
-    (reducing the accumulator in backward with ``fold``, `boundary_fold`).
+    (reducing the accumulator in backward with ``fold``, `boundary_fold`), each multiplied by
+    ``avg.factor`` as it enters (default ``1 / (grad_accum * world)``).
 
-    Buffers are cloned for the call (the new values are the bound model's ``buffers``), or
+    Buffers are cloned for the call (the new values are the bound model's ``new_buffers``), or
     updated in place with ``donate``.
     """
     buffers = dict(state.buffers) if donate else {n: b.clone() for n, b in state.buffers.items()}
-    return state.binding.bind(state, sinks, buffers, fold)
+    return state.binding.bind(state, sinks, buffers, fold, avg)
+
+
+def loss_scaled(state: TrainState, t: torch.Tensor) -> torch.Tensor:
+    """``t`` times the loss scale (``t`` itself without loss scaling). A float16 ``t`` is
+    multiplied in float32 and rounded once (a cotangent; a float16 loss seeded with a scale of
+    ``2**16`` is inf, as with DeepSpeed and ``GradScaler``).
+
+    Examples:
+        >>> import torch, zfunc
+        >>> state = zfunc.init(torch.nn.Linear(1, 1), zfunc.Config(precision="fp16"))
+        >>> loss_scaled(state, torch.ones(1)).item() == state.scaler.scale.item()
+        True
+    """
+    if state.cfg.loss_scale is None:
+        return t
+    scale = state.scaler.scale
+    if t.dtype == torch.float16:
+        return (t.float() * scale).to(torch.float16)
+    return t * scale.to(t.dtype)
 
 
 def grad_views(state: TrainState, grads: torch.Tensor) -> list[torch.Tensor]:
@@ -228,10 +253,11 @@ def backward_step(state: TrainState, loss_fn: Callable[..., Any], batch: Any, *,
         raise TypeError(f"loss_fn must return a scalar tensor{' first' if has_aux else ''}; "
                         f"got {type(loss).__name__}" + (f" of shape {list(loss.shape)}"
                                                         if isinstance(loss, torch.Tensor) else ""))
-    loss.backward()  # into `grads` through the sinks (plain backward: reentrant checkpointing works)
+    seed = None if state.cfg.loss_scale is None else loss_scaled(state, torch.ones_like(loss))
+    loss.backward(seed)  # into `grads` through the sinks (plain backward: reentrant checkpointing works)
     check_sinks(sinks, state, grads)
     loss = loss.detach().reshape(())
-    new = record_micro(state, grads, loss=loss, buffers=model.buffers, fold=fold, forward=True)
+    new = record_micro(state, grads, loss=loss, buffers=model.new_buffers, fold=fold, forward=True)
     if donate:
         donate_(state, "backward_step")
     return new, ((loss, aux) if has_aux else loss)
@@ -315,16 +341,23 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
             a.grad = None
         calls["n"] += 1
         calls["retained"] = retain_graph
-        torch.autograd.backward(outs, cots, retain_graph=retain_graph)
+        torch.autograd.backward(outs, [loss_scaled(state, c) for c in cots], retain_graph=retain_graph)
         check_sinks(sinks, state, grads)
-        new = record_micro(state, grads, loss=loss, buffers=model.buffers, fold=fold, forward=True)
+        new = record_micro(state, grads, loss=loss, buffers=model.new_buffers, fold=fold, forward=True)
         if donate:
             donate_(state, "vjp")
         if not argnums:
             return new
-        return new, tuple(torch.zeros_like(a) if a.grad is None else a.grad for a in wrt)
+        return new, tuple(torch.zeros_like(a) if a.grad is None else _unscaled(state, a.grad) for a in wrt)
 
     return tree.map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out), pullback
+
+
+def _unscaled(state: TrainState, t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a gradient of the loss-scaled cotangent) divided by the loss scale again."""
+    if state.cfg.loss_scale is None:
+        return t
+    return (t.float() / state.scaler.scale).to(t.dtype)
 
 
 def accumulate(state: TrainState, grads: dict[str, torch.Tensor], *, loss: torch.Tensor | None = None,
@@ -350,7 +383,7 @@ def accumulate(state: TrainState, grads: dict[str, torch.Tensor], *, loss: torch
     if unknown:
         raise KeyError(f"accumulate: {sorted(unknown)} are not trainable parameters of the model; "
                        f"expected names from {list(lay.names)[:5]}...")
-    factor = cotangent_factor(state)
+    factor = state.scaler.scale / (cfg.grad_accum * ranks_averaged(state))  # as backward_step's gradients
     unit_grads = []
     for unit in lay.units:
         for s in unit.slots:

@@ -158,7 +158,7 @@ def _scratch(wire: torch.Tensor, grads: torch.Tensor, donate: bool) -> torch.Ten
     return wire if (donate or wire is not grads) else wire.clone()
 
 
-def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
+def apply_step(state: TrainState, *, donate: bool = False, micro_batches: int | None = None) -> TrainState:
     """Apply one optimizer step with the gradients accumulated since the last one.
 
     Reduce, unscale, check for overflow, clip, update, gather. On an overflow (any non-finite
@@ -168,11 +168,15 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
     The gradient is the mean over the micro-batches run since the last step on all ranks: after
     ``grad_accum`` of them on every rank, as configured; after fewer (an epoch's short last
     accumulation), the mean over those actually seen, never their sum divided by ``grad_accum``.
+    ``micro_batches`` says otherwise: the engine passes ``grad_accum`` (DeepSpeed's rule: each
+    backward is ``1 / grad_accum`` of a step, however many ran).
 
     Args:
         state: the `TrainState`.
         donate: update ``state``'s buffers in place (``state`` must not be used again); without
             it ``state`` is left bitwise unchanged.
+        micro_batches: the micro-batches per rank the accumulated gradient is the mean of
+            (each came in times ``1 / grad_accum``); default: those accumulated since the last step.
 
     Returns:
         The new state: ``step + 1``, gradients released (zeros holding no memory until the next
@@ -213,7 +217,10 @@ def apply_step(state: TrainState, *, donate: bool = False) -> TrainState:
     # Each micro-batch's gradient came in times 1 / (grad_accum * world): after fewer micro-batches
     # than that (an epoch's short last accumulation) the step uses their mean, not their sum over
     # grad_accum * world. The factor is exactly 1 after a full accumulation.
-    mean = (cfg.grad_accum * group.size) / torch.clamp(agreed[-1], min=1.0)
+    if micro_batches is None:
+        mean = (cfg.grad_accum * group.size) / torch.clamp(agreed[-1], min=1.0)
+    else:
+        mean = torch.full((), cfg.grad_accum / micro_batches, dtype=torch.float32, device=state.device)
     inv_scale = (1.0 / state.scaler.scale).to(torch.float32) * mean
     grad_norm = agreed[1].sqrt() * inv_scale
     if cfg.clip_value > 0:

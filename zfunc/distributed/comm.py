@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -477,32 +478,42 @@ class _UnitParams(VmapAsIs, torch.autograd.Function):
 
     @staticmethod
     def forward(sink: torch.Tensor, shard: torch.Tensor | None, full: torch.Tensor | None,
-                group: Group, reduce_dtype: torch.dtype, scatter: bool) -> torch.Tensor:
+                group: Group, reduce_dtype: torch.dtype, scatter: bool,
+                factor: Callable[[], float] | None = None) -> torch.Tensor:
         if full is None:
             return all_gather(shard, group)
         return full.view_as(full)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        sink, _, _, ctx.group, ctx.reduce_dtype, ctx.scatter = inputs
+        sink, _, _, ctx.group, ctx.reduce_dtype, ctx.scatter = inputs[:6]
+        ctx.factor = inputs[6] if len(inputs) > 6 else None
         ctx.sink_dtype = sink.dtype
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         refuse_create_graph(torch.is_grad_enabled())  # the sink's .grad would be replaced, not added to
+        factor = 1.0 if ctx.factor is None else ctx.factor()
         if ctx.scatter:  # the reduce-scatter only reads its input: no copy to protect the gradient
             wire = grad if grad.dtype == ctx.reduce_dtype else widened(grad.reshape(-1), ctx.reduce_dtype)
             grad = reduce_scatter(wire, "sum", ctx.group)
-        return grad.to(ctx.sink_dtype), None, None, None, None, None
+            if factor != 1.0:
+                grad.mul_(factor)  # a tensor of our own
+        elif factor != 1.0:
+            grad = grad * factor
+        return grad.to(ctx.sink_dtype), None, None, None, None, None, None
 
 
 def unit_params(sink: torch.Tensor, shard: torch.Tensor | None, full: torch.Tensor | None,
-                group: Group, reduce_dtype: torch.dtype, scatter: bool) -> torch.Tensor:
+                group: Group, reduce_dtype: torch.dtype, scatter: bool,
+                factor: Callable[[], float] | None = None) -> torch.Tensor:
     """A unit's full flat parameters, differentiable with respect to ``sink``.
 
     ``full=None`` all-gathers ``shard`` in forward (ZeRO-3). With ``scatter`` the backward is a
     sum reduce-scatter (the transpose of all-gather), so ``sink`` receives this rank's shard of
     the gradient summed over ranks; without it ``sink`` receives the full local gradient.
+    ``factor`` (called in backward) multiplies what ``sink`` receives: the data-parallel mean
+    (`zfunc.autograd.average`).
 
     Examples:
         >>> import torch, zfunc
@@ -513,7 +524,7 @@ def unit_params(sink: torch.Tensor, shard: torch.Tensor | None, full: torch.Tens
         >>> sink.grad.tolist()
         [0.0, 2.0, 4.0, 6.0]
     """
-    return _UnitParams.apply(sink, shard, full, group, reduce_dtype, scatter)
+    return _UnitParams.apply(sink, shard, full, group, reduce_dtype, scatter, factor)
 
 
 _DEPRECATED = {"bind_unit": ("unit_params", "0.3")}

@@ -1,0 +1,255 @@
+"""The module bound to one state: what ``loss_fn`` receives as ``model``.
+
+A `BoundModel` is the user's module as a function of its inputs, running on one state's tensors
+through `torch.func.functional_call`. Its outputs are exactly what the module returns: gradients
+through it are torch's, and only the parameters' gradients are averaged, where they enter the
+state (`zfunc.autograd.average`). Its buffers' new values (BatchNorm statistics) are kept for
+the state that follows.
+
+It answers as a module does where that is meaningful: ``named_parameters()``/``parameters()``
+give the tensors forward uses (at stages 0-2 views of the state's compute buffer whose gradients
+reach the state; frozen parameters as they are), ``named_buffers()`` the call's buffers, and
+``torch.func.functional_call(model, params, x)`` runs the module on the parameters given (the
+others the state's), so torch.func recipes such as per-sample gradients are written inside
+``loss_fn`` as in torch's tutorials.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.func import functional_call
+
+from zfunc._tree import tree
+from zfunc.autograd import calls
+from zfunc.autograd.average import Average, ranks_averaged
+from zfunc.autograd.buckets import Fold, Rebind, bucket_views, local_views
+from zfunc.autograd.forward_gather import ROOT, Gathering, UnitViews, start_gathers
+from zfunc.autograd.gather import UnitGatherer, check_same_units, in_backward
+
+if TYPE_CHECKING:
+    from zfunc.core.state import TrainState
+
+__all__ = ["BoundModel"]
+
+
+class BoundModel(torch.nn.Module):
+    """The module as a function of its inputs, running on one state's tensors.
+
+    Gradients of anything computed from its outputs reach ``sinks`` (see
+    `zfunc.core.backward.sinks_into`), each multiplied by ``avg.factor`` as it enters.
+    ``buffers`` (cloned by the caller unless donated) receive the buffers' new values, e.g.
+    BatchNorm running statistics, for the state that follows (``new_buffers``). With ``fold``
+    (stages 0-1, the step's last micro-batch) backward reduces the accumulator.
+
+    Its submodules are the user's (``get_submodule``, ``named_modules``); reading a parameter or
+    buffer as an attribute is refused (the module's own attribute is not what forward uses):
+    ``dict(model.named_parameters())[name]`` is.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> state = zfunc.init(torch.nn.Linear(2, 1), zfunc.Config())
+        >>> def loss_fn(model, x):
+        ...     names = [n for n, _ in model.named_parameters()]
+        ...     out = torch.func.functional_call(model, {"bias": torch.zeros(1)}, (x,))
+        ...     print(names, out.shape)
+        ...     return model(x).sum()
+        >>> state, loss = zfunc.backward_step(state, loss_fn, torch.ones(3, 2))
+        ['weight', 'bias'] torch.Size([3, 1])
+    """
+
+    def __init__(self, state: TrainState, sinks: list[torch.Tensor], buffers: dict[str, torch.Tensor],
+                 fold: Fold | None = None, avg: Average | None = None):
+        super().__init__()
+        module = state.binding.module
+        # The user's containers: functional_call and get_submodule reach the module through them.
+        for name in ("_modules", "_parameters", "_buffers"):
+            object.__setattr__(self, name, getattr(module, name))
+        self.state, self.sinks, self.new_buffers, self.fold = state, sinks, buffers, fold
+        self.avg = avg if avg is not None else Average(state.cfg.grad_accum, ranks_averaged(state))
+        # What the module's entries hold now: an entry that differs during a call was put there
+        # by the caller (torch.func.functional_call over this model) and wins over the state's.
+        self.resting = [entries[attr] for entries, attr, _ in state.binding.entries]
+        self.param_views: dict[str, torch.Tensor] | None = None  # `named_parameters`, made once
+        # During a call (`prepare` to `finish`; the call's graph holds what a backward needs):
+        self.gatherer: UnitGatherer | None = None  # stage 3
+        self.units: UnitGatherer | UnitViews | None = None  # what the unit modules' hooks bind
+        self.call: Any = None  # the call's `Rebind` or `UnitGatherer` (`ModuleBinding._source`)
+        self.pending: Gathering | None = None  # stages 1-2: the other ranks' slices being gathered
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)  # never into the user's containers
+
+    def __getattr__(self, name: str) -> Any:
+        modules = self.__dict__.get("_modules", {})
+        if name in modules:
+            return modules[name]
+        if name in self.__dict__.get("_parameters", {}) or name in self.__dict__.get("_buffers", {}):
+            raise AttributeError(
+                f"model.{name}: the bound model's parameters and buffers are the state's, not the module's "
+                f"attributes; use dict(model.named_parameters())[{name!r}] (or named_buffers())")
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    # -- a module's questions ------------------------------------------------------------------
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """The parameters forward uses, under the module's names: trained ones as views of the
+        state's compute buffer whose gradients reach the state (made once per bound model, so
+        every call answers the same tensors), frozen ones as they are.
+
+        Raises:
+            RuntimeError: at stage 3, where a parameter exists in full only while its unit's
+                module runs (use `zfunc.full_params`, or stage 0-2, for the whole model).
+        """
+        state = self.state
+        if state.stage == 3:
+            raise RuntimeError(
+                "model.named_parameters(): at ZeRO stage 3 a parameter exists in full only while its unit's module "
+                "runs, so the bound model cannot hand out the whole model's parameters without gathering every unit "
+                "at once. Read the weights with zfunc.full_params(state) (gathers the whole model), compute "
+                "gradients with respect to inputs (torch.autograd.grad, torch.func.grad of the model's inputs), or "
+                "use stage 0-2 for per-parameter torch.func recipes")
+        if self.param_views is None:
+            views, rebind = self._views()
+            if self.pending is not None:  # stages 1-2 after a step with units: every slice, now
+                self.pending.wait_all()
+                self.pending = None
+            self.param_views = {**views, **state.frozen}
+            state.binding.note_pending(rebind)
+        return self._named(state.binding.module.named_parameters(prefix="", recurse=recurse,
+                                                                 remove_duplicate=remove_duplicate),
+                           self.param_views, prefix)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """The buffers forward uses (the call's copies; their new values go to the next state)."""
+        return self._named(self.state.binding.module.named_buffers(prefix="", recurse=recurse,
+                                                                   remove_duplicate=remove_duplicate),
+                           self.new_buffers, prefix)
+
+    def _named(self, names: Iterator[tuple[str, torch.Tensor]], values: dict[str, torch.Tensor],
+               prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+        canon = self.state.binding.canonical
+        for name, _ in names:
+            yield (f"{prefix}.{name}" if prefix else name), values[canon.get(name, name)]
+
+    # -- a forward call ------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        given = self._given()
+        tensors, args, kwargs, contexts = self.prepare(args, kwargs)
+        tensors.update(given)
+        token = calls.enter(self)
+        try:
+            with contextlib.ExitStack() as stack:
+                for c in contexts:
+                    stack.enter_context(c)
+                binding = self.state.binding
+                for name, others in binding.aliases.items():
+                    if name in tensors:
+                        tensors.update({other: tensors[name] for other in others if other not in given})
+                out = functional_call(binding.module, tensors, args, kwargs, tie_weights=False, strict=False)
+                for name in given.keys() & self.new_buffers.keys():  # a caller's buffer is not the state's
+                    tensors[name] = self.new_buffers[name]
+        except BaseException:
+            with contextlib.suppress(Exception):  # collect the gathers started ahead (the error stays the news)
+                if self.gatherer is not None:
+                    self.gatherer.drop_ahead()
+                if self.pending is not None:
+                    self.pending.wait_all()
+            raise
+        finally:
+            calls.leave(token)
+        return self.finish(out, tensors)
+
+    def _given(self) -> dict[str, torch.Tensor]:
+        """The tensors a caller put in the module's entries for this call (functional_call over
+        the bound model), by the module's names."""
+        given = {name: entries[attr] for (entries, attr, name), rest in zip(self.state.binding.entries, self.resting)
+                 if entries.get(attr) is not rest}
+        if given and self.state.stage == 3:
+            raise RuntimeError(
+                f"torch.func.functional_call over the bound model at ZeRO stage 3 (given {sorted(given)[:3]}...): "
+                "stage 3 binds each unit's parameters as its module runs, so parameters given from outside cannot "
+                "take their place. Use stage 0-2 for functional_call with parameters of your own")
+        return given
+
+    def _views(self) -> tuple[dict[str, torch.Tensor], Rebind]:
+        """Stages 0-2: the trained parameters as views of the compute buffer whose gradients reach
+        the sink (reduced in backward, or added into the local accumulator), and their `Rebind`."""
+        state = self.state
+        binding, cfg = state.binding, state.cfg
+        if self.fold is not None:  # stages 0-1, the step's last micro-batch: reduced in backward
+            views, rebind = bucket_views(state, self.sinks[0], binding.buckets(state), binding._pool, self.avg,
+                                         self.fold)
+        elif cfg.shards_grads and state.mesh.shard.size > 1:  # reduce-scattered bucket by bucket
+            views, rebind = bucket_views(state, self.sinks[0], binding.buckets(state), binding._pool, self.avg)
+        else:  # each gradient added into the local accumulator (a shard of one rank is all of it)
+            views, rebind = local_views(state, self.sinks[0], binding.buckets(state), self.avg)
+        rebind.frozen = state.frozen
+        # Stages 1-2 after a step with units: this call gathers the other ranks' slices
+        # (`zfunc.autograd.forward_gather`), all issued now, each waited for as its unit's module starts.
+        self.pending = None if bool(state.gathered) else start_gathers(state)
+        return views, rebind
+
+    def prepare(self, args: tuple, kwargs: dict) -> tuple[dict[str, torch.Tensor], tuple, dict, list[Any]]:
+        """What a call runs on (parameter views, frozen parameters, buffers), its inputs (cast to
+        a low-precision model's dtype) and the contexts to run it in."""
+        state = self.state
+        lay, cfg, binding = state.layout, state.cfg, state.binding
+        if not in_backward():  # no backward runs here: forget any a raised error left counted
+            calls.BACKWARDS = 0
+        tensors = {**binding.unit_params, **state.frozen, **self.new_buffers}
+        contexts: list[Any] = []
+        if state.stage == 3:  # the root unit now; the others when their modules run
+            hint = binding.unit_order or [i for i, u in enumerate(lay.units) if u.name != "root"]
+            self.units = self.gatherer = gatherer = UnitGatherer(state, self.sinks, hint, self.avg)
+            tensors.update(gatherer.root_views())
+            self.call = gatherer
+        else:
+            views, self.call = self._views()
+            pending = self.pending
+            if binding.gather_plan is not None:  # stages 1-2 with units: bound as their modules run
+                if pending is not None:
+                    pending.wait(ROOT)
+                self.units = UnitViews({n: views.pop(n) for n in binding.unit_params}, pending)
+            elif pending is not None:  # the hooks that would wait are gone (`ModuleBinding.remove`)
+                pending.wait_all()
+            tensors.update(views)
+        binding.note_pending(self.call)
+        if cfg.autocast is None and cfg.compute_dtype != torch.float32:
+            # Like FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True): a low-precision model
+            # takes its floating-point inputs in its own dtype.
+            args, kwargs = _cast_floats((args, kwargs), cfg.compute_dtype)
+        if cfg.autocast:
+            contexts.append(torch.autocast(state.device.type, dtype=cfg.autocast))
+        return tensors, args, kwargs, contexts
+
+    def finish(self, out: Any, tensors: dict[str, torch.Tensor]) -> Any:
+        """After the forward: check the stage-3 units, keep the buffers' new values, and mark the
+        outputs' nodes for the backwards that will reach them (`zfunc.autograd.calls`). The
+        outputs themselves are returned as the module returned them."""
+        state = self.state
+        if self.pending is not None:  # a unit the forward did not run: its slices are gathered too
+            self.pending.wait_all()
+            self.pending = None
+        if self.gatherer is not None:
+            self.gatherer.hub = None  # the graph keeps the collector now (no cycle through it: see gather)
+            self.gatherer.drop_ahead()  # what the forward's prefetch gathered and did not use
+            if state.group.size > 1 and state.device.type == "cpu":
+                check_same_units(self.gatherer.order, state.group)  # a host read: free on the CPU only
+            if not in_backward():
+                state.binding.unit_order = list(self.gatherer.order)  # the next forward's prefetch hint
+        for name in self.new_buffers:  # a buffer the module reassigned (not updated in place)
+            self.new_buffers[name] = tensors[name]
+        # From here the call's graph holds the call (its outputs' nodes), the bound model does not
+        call, self.call, self.gatherer, self.units = self.call, None, None, None
+        if torch.is_grad_enabled() and not in_backward():
+            calls.mark_outputs(out, call)
+        return out
+
+
+def _cast_floats(x: Any, dtype: torch.dtype) -> Any:
+    return tree.map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, x)

@@ -1,0 +1,117 @@
+"""Which zfunc call is running, and which backward differentiates a call, read without touching
+what the model returns.
+
+A forward call (`zfunc.autograd.bound.BoundModel`) is *current* from its start to its end (a
+context variable, and ``CALLS``, a plain count that compiled hooks read without a graph break).
+When it returns, a pre-hook goes on the autograd node of each tensor of its output: a node the
+user's module made, whose values, dtypes and views stay as they are (an in-place op on the output
+works as in torch). When a backward reaches one, the hook notes the backward's graph task on the
+call (``call.tasks``) and counts the backward as running (``BACKWARDS``, until autograd's end of
+that backward): so a forward that activation checkpointing recomputes during backward, outside
+zfunc's call, finds the call it belongs to (`zfunc.autograd.binding.ModuleBinding._source`).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from zfunc._tree import tree
+from zfunc.autograd.gather import graph_task
+
+__all__ = ["CALLS", "BACKWARDS", "current", "enter", "leave", "mark_outputs", "tensors_in"]
+
+# The forward call running now, and how many run (any thread).
+_CURRENT: contextvars.ContextVar[Any] = contextvars.ContextVar("zfunc_call", default=None)
+CALLS = 0
+# Backwards running through a zfunc call's outputs now. A backward that raises never lowers it;
+# each zfunc forward outside a backward resets it (`zfunc.autograd.bound.BoundModel.prepare`).
+BACKWARDS = 0
+
+
+def current() -> Any:
+    """The forward call running now in this context, or None."""
+    return _CURRENT.get()
+
+
+def enter(call: Any) -> contextvars.Token:
+    """``call`` starts: it is the current one until `leave`."""
+    global CALLS
+    CALLS += 1
+    return _CURRENT.set(call)
+
+
+def leave(token: contextvars.Token) -> None:
+    global CALLS
+    CALLS -= 1
+    _CURRENT.reset(token)
+
+
+def _entered(call: Any, grad_outputs: Any) -> None:
+    """A backward reached the call's output: note it on the call, count it until it ends."""
+    del grad_outputs
+    global BACKWARDS
+    call.tasks.add(graph_task())
+    BACKWARDS += 1
+    torch.autograd.Variable._execution_engine.queue_callback(_left)  # at the end of this backward
+
+
+def _left() -> None:
+    global BACKWARDS
+    BACKWARDS -= 1
+
+
+def mark_outputs(out: Any, call: Any) -> None:
+    """Put the backward marker (module docstring) on the autograd node of each tensor in ``out``
+    (the graph keeps ``call`` from then on, as long as it lives). Tensors under a ``torch.func``
+    transform are left alone: their nodes belong to the transform.
+
+    Examples:
+        >>> import torch, types
+        >>> call = types.SimpleNamespace(tasks=set())
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> y = x * 2
+        >>> mark_outputs({"y": y}, call)
+        >>> y.sum().backward()
+        >>> len(call.tasks), y.requires_grad
+        (1, True)
+    """
+    seen: set[int] = set()
+    for t in tensors_in(out):
+        fn = t.grad_fn
+        if fn is None or id(fn) in seen or torch._C._functorch.is_functorch_wrapped_tensor(t):
+            continue
+        seen.add(id(fn))
+        fn.register_prehook(functools.partial(_entered, call))
+
+
+def tensors_in(x: Any, depth: int = 4) -> Iterator[torch.Tensor]:
+    """The tensors in ``x``: pytree leaves, and inside mappings optree does not know (Hugging
+    Face's ``ModelOutput``), dataclasses and plain objects' attributes (a
+    ``torch.distributions.Distribution``), ``depth`` levels deep. Nothing is rebuilt or changed.
+
+    Examples:
+        >>> import torch
+        >>> d = torch.distributions.Normal(torch.zeros(2), torch.ones(2))
+        >>> len(list(tensors_in((torch.ones(1), {"dist": d}))))
+        2
+    """
+    for leaf in tree.leaves(x):
+        if isinstance(leaf, torch.Tensor):
+            yield leaf
+        elif depth == 0 or isinstance(leaf, (str, bytes, int, float, bool, type, torch.nn.Module)):
+            continue
+        elif isinstance(leaf, Mapping):
+            for v in list(leaf.values()):
+                yield from tensors_in(v, depth - 1)
+        elif dataclasses.is_dataclass(leaf):
+            for f in dataclasses.fields(leaf):
+                yield from tensors_in(getattr(leaf, f.name, None), depth - 1)
+        elif hasattr(leaf, "__dict__") and not callable(leaf):
+            for v in list(vars(leaf).values()):
+                yield from tensors_in(v, depth - 1)
