@@ -105,20 +105,25 @@ class BoundModel(torch.nn.Module):
                 module runs (use `zfunc.full_params`, or stage 0-2, for the whole model).
         """
         state = self.state
-        if state.stage == 3:
+        if state.stage == 3 and _has_units(state):
             raise RuntimeError(
-                "model.named_parameters(): at ZeRO stage 3 a parameter exists in full only while its unit's module "
-                "runs, so the bound model cannot hand out the whole model's parameters without gathering every unit "
-                "at once. Read the weights with zfunc.full_params(state) (gathers the whole model), compute "
-                "gradients with respect to inputs (torch.autograd.grad, torch.func.grad of the model's inputs), or "
-                "use stage 0-2 for per-parameter torch.func recipes")
+                "model.named_parameters(): at ZeRO stage 3 a unit's parameters exist in full only while its module "
+                "runs, so the bound model cannot hand them all out without gathering every unit at once. Read the "
+                "weights with zfunc.full_params(state) (gathers the whole model); compute gradients with respect to "
+                "inputs (torch.autograd.grad, torch.func.grad) as usual; or keep every parameter in the root unit "
+                "(Config(units=[]), a larger persist_threshold) or use stage 0-2 for per-parameter torch.func recipes")
         if self.param_views is None:
-            views, rebind = self._views()
+            if state.stage == 3:  # the root unit alone: gathered once, as a forward call does
+                gatherer = UnitGatherer(state, self.sinks, [], self.avg)
+                views, call = gatherer.root_views(), gatherer
+                gatherer.hub = None  # the graph keeps the collector
+            else:
+                views, call = self._views()
             if self.pending is not None:  # stages 1-2 after a step with units: every slice, now
                 self.pending.wait_all()
                 self.pending = None
             self.param_views = {**views, **state.frozen}
-            state.binding.note_pending(rebind)
+            state.binding.note_pending(call)
         return self._named(state.binding.module.named_parameters(prefix="", recurse=recurse,
                                                                  remove_duplicate=remove_duplicate),
                            self.param_views, prefix)
@@ -169,11 +174,12 @@ class BoundModel(torch.nn.Module):
         the bound model), by the module's names."""
         given = {name: entries[attr] for (entries, attr, name), rest in zip(self.state.binding.entries, self.resting)
                  if entries.get(attr) is not rest}
-        if given and self.state.stage == 3:
+        if given and self.state.stage == 3 and _has_units(self.state):
             raise RuntimeError(
                 f"torch.func.functional_call over the bound model at ZeRO stage 3 (given {sorted(given)[:3]}...): "
                 "stage 3 binds each unit's parameters as its module runs, so parameters given from outside cannot "
-                "take their place. Use stage 0-2 for functional_call with parameters of your own")
+                "take their place. Keep every parameter in the root unit (Config(units=[]), a larger "
+                "persist_threshold) or use stage 0-2 for functional_call with parameters of your own")
         return given
 
     def _views(self) -> tuple[dict[str, torch.Tensor], Rebind]:
@@ -249,6 +255,11 @@ class BoundModel(torch.nn.Module):
         if torch.is_grad_enabled() and not in_backward():
             calls.mark_outputs(out, call)
         return out
+
+
+def _has_units(state: TrainState) -> bool:
+    """Stage 3 with units besides the root (gathered as their modules run)."""
+    return any(u.name != "root" for u in state.layout.units)
 
 
 def _cast_floats(x: Any, dtype: torch.dtype) -> Any:

@@ -116,7 +116,10 @@ class ShardPool:
 class Fold:
     """The accumulation boundary of stages 0-1 (see the module docstring): which buckets' local
     accumulator went into a reduce already. One per micro-batch, shared by every call of the
-    model in it; `done` once every bucket was reduced.
+    model in it; `done` once every bucket was reduced. ``enabled`` is read when a backward
+    reaches a bucket: the engine clears it when the boundary moves off this micro-batch after its
+    forward (Accelerate sets the boundary between forward and backward), and the gradients are
+    then only added locally.
 
     Examples:
         >>> f = Fold(2)
@@ -126,6 +129,7 @@ class Fold:
     """
 
     def __init__(self, n: int):
+        self.enabled = True
         self.folded = [False] * n
         self.handles: dict[int, list[Any]] = {}  # a folded bucket's reduces (a later call waits for them)
 
@@ -218,9 +222,10 @@ class _Reducer:
             wide = acc is not None and acc.dtype == self.dtype and acc.element_size() >= 4
             self.direct = self.fold is not None or wide
             self.out = acc if self.direct else self.pool.take()
-        if self.fold is not None and not self.fold.folded[k]:
-            self.fold.folded[k] = True  # this call's gradient joins the accumulator, reduced once
-            self.folds[k] = True
+        if self.fold is not None and not (self.fold.enabled and self.fold.folded[k]):
+            if self.fold.enabled:
+                self.fold.folded[k] = True  # this call's gradient joins the accumulator, reduced once
+            self.folds[k] = True  # (not at the boundary after all: only added to the accumulator)
         else:
             b = self.buckets[k]
             # Pages are only touched where written: at stage 2 the parts other ranks own.
@@ -255,7 +260,8 @@ class _Reducer:
             staged.narrow(0, end - b.start, b.stop - end).zero_()
         self.missing[k] = set()
         if self.folds[k]:
-            self._fold(k)
+            if self.fold.enabled:
+                self._fold(k)
         elif self.state.stage == 0:
             self._all_reduce_add(k, staged)
         else:

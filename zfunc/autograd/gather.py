@@ -103,6 +103,13 @@ def graph_task() -> int:
     return torch._C._current_graph_task_id()
 
 
+def _plain() -> Any:
+    """Tensors made inside it are plain ones, even where a ``torch.func`` transform runs (a user's
+    ``grad`` around the model): the collectives' buffers are the state's, never the transform's.
+    A functorch switch; no public equivalent."""
+    return torch._C._DisableFuncTorch()
+
+
 _IN_FLIGHT = 2  # units whose reduce-scatter may still run while backward goes on
 
 
@@ -191,7 +198,7 @@ class UnitGatherer:
         self.live: dict[int, int] = {}  # storage address -> unit index, during the unit's forward
         self.regathered: dict[int, torch.Tensor] = {}
         self.swapped: dict[int, Swapped] = {}  # unit -> what to restore
-        self.hooks: dict[int, Any] = {}  # unit -> its saved-tensor hooks, while its module runs
+        self.hooks: dict[int, tuple[Any, int]] = {}  # unit -> its saved-tensor hooks and buffer, while it runs
         self.order: list[int] = []  # the units this call ran, in order
         self.entry: dict[int, int] = {}  # unit -> its place in `order`, while its module runs
         self.saved: set[int] = set()  # places in `order` whose saved tensors backward regathers
@@ -227,14 +234,16 @@ class UnitGatherer:
     def _prefetch(self, units: list[int]) -> None:
         for i in units:
             if i not in self.ahead:
-                out, handle = comm.all_gather_start(self._shard(i), self.state.mesh.shard)
+                with _plain():
+                    out, handle = comm.all_gather_start(self._shard(i), self.state.mesh.shard)
                 self.ahead[i] = (_count_bytes(out), handle)
 
     def fetch(self, i: int) -> torch.Tensor:
         """Unit ``i``'s full buffer: its prefetch once complete, else gathered now."""
         got = self.ahead.pop(i, None)
         if got is None:
-            return _count_bytes(comm.all_gather(self._shard(i), self.state.mesh.shard))
+            with _plain():
+                return _count_bytes(comm.all_gather(self._shard(i), self.state.mesh.shard))
         got[1].wait()
         return got[0]
 
@@ -314,20 +323,19 @@ class UnitGatherer:
         # Restored by `leave`, and by the enclosing functional_call if forward raises.
         self.swapped[i] = swap_in((owner._parameters, attr, views[name]) for name, owner, attr in slots)
         if self.reducer is not None and not in_transform():
-            self.live[full.untyped_storage().data_ptr()] = i  # what the saved-tensor hooks look up
+            key = full.untyped_storage().data_ptr()
+            self.live[key] = i  # what the saved-tensor hooks look up
             hooks = self._saving()
             hooks.__enter__()
-            self.hooks[i] = hooks
+            self.hooks[i] = (hooks, key)
 
     def leave(self, i: int) -> None:
         """Unit ``i``'s module is done: release the gathered buffer (autograd keeps recipes)."""
         hooks = self.hooks.pop(i, None)
         if hooks is not None:
-            hooks.__exit__(None, None, None)
-        swapped = self.swapped.pop(i, [])
-        for entries, attr, _ in swapped:
-            self.live.pop(entries[attr].untyped_storage().data_ptr(), None)
-        put_back(swapped)
+            hooks[0].__exit__(None, None, None)
+            self.live.pop(hooks[1], None)
+        put_back(self.swapped.pop(i, []))
 
     def _saving(self) -> Any:
         """Saved-tensor hooks for the time one unit's module runs: a saved tensor that views a

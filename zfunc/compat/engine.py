@@ -257,6 +257,8 @@ class Engine(ConfigAccessors, torch.nn.Module):
             raise DeepSpeedAssertion("set_gradient_accumulation_boundary: with managed_gradient_accumulation false "
                                      "every step() is the boundary; call step() when the accumulation ends instead")
         self._boundary = bool(is_boundary)
+        if self._fold is not None and not self._fold.started:  # a forward ran already: its backward decides
+            self._fold.enabled = self._boundary
 
     @contextlib.contextmanager
     def coalesce_grad_reduction(self) -> Iterator[None]:

@@ -1,0 +1,221 @@
+"""The engine counts micro-batches as DeepSpeed does: each backward that reaches the model is
+``1 / gradient_accumulation_steps`` of a step, whatever loop drives it.
+
+Every loop shape a DeepSpeed client uses (DeepSpeed's own ``backward``/``step`` per micro-batch,
+Accelerate's boundary flag with one ``step()`` at the boundary, Hugging Face Trainer's
+``loss / GAS`` with ``scale_wrt_gas=False``, plain ``loss.backward()``) gives the weights and the
+logged grad norm plain torch gives with SGD and no clipping, at stages 0-3, worlds 1-3 and GAS 1
+and 3; a step forced early applies what ran, each backward ``1 / GAS`` of a step (DeepSpeed's rule).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zfunc
+from tests.helpers import run_ranks
+
+LR, STEPS = 0.5, 3
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+
+
+def _micro(step: int, k: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10_000 * step + 100 * k + rank)
+    return torch.randn(2, 5, generator=g), torch.randn(2, 3, generator=g)
+
+
+def _config(stage: int, ga: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ga, "gradient_clipping": 0.0,
+            "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_optimization": {"stage": stage}}
+
+
+def _reference(world: int, ga: int, run: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """SGD on one process: ``run`` micro-batches a step on every rank, each loss divided by
+    ``world * ga`` (DeepSpeed's rule: a backward is 1/GAS of a step; the mean over ranks)."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    norms = []
+    for i in range(STEPS):
+        for r in range(world):
+            for k in range(run):
+                x, y = _micro(i, k, r)
+                (F.mse_loss(model(x), y) / (world * ga)).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item())
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach() for n, p in model.named_parameters()}, norms
+
+
+def _loop(rank: int, stage: int, ga: int, shape: str, run: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    engine, *_ = zfunc.initialize(model=_model(), config=_config(stage, ga))
+    norms = []
+    for i in range(STEPS):
+        for k in range(run):
+            last = k == run - 1
+            x, y = _micro(i, k, rank)
+            loss = F.mse_loss(engine(x), y)
+            if shape == "deepspeed":  # a step() per micro-batch; the boundary by count, or forced
+                if run != ga:  # (the override is sticky, as DeepSpeed's)
+                    engine.set_gradient_accumulation_boundary(last)
+                engine.backward(loss)
+                engine.step()
+            elif shape == "accelerate":  # the boundary flag before each backward, one step()
+                engine.set_gradient_accumulation_boundary(last)
+                engine.backward(loss)
+                if last:
+                    engine.step()
+            elif shape == "trainer":  # HF Trainer: loss / GAS, scale_wrt_gas=False, in-place ops
+                loss = loss / ga
+                loss *= 1.0
+                engine.set_gradient_accumulation_boundary(last)
+                engine.backward(loss, scale_wrt_gas=False)
+                if last:
+                    engine.step()
+            else:  # plain loss.backward(), a step() per micro-batch
+                loss.backward()
+                engine.step()
+        norms.append(engine.get_global_grad_norm())
+    return zfunc.full_params(engine.state), norms
+
+
+@pytest.mark.parametrize("ga", [1, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_every_loop_shape_gives_deepspeeds_mean(world, stage, ga):
+    ref, ref_norms = _reference(world, ga, ga)
+    for shape in ("deepspeed", "accelerate", "trainer", "plain"):
+        for ours, norms in run_ranks(_loop, world, stage, ga, shape, ga):
+            worst = max((ours[n] - ref[n]).abs().max().item() for n in ref)
+            assert worst < 1e-6, (shape, worst)
+            assert norms == pytest.approx(ref_norms, rel=1e-5), shape
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_boundary_forced_early_applies_what_ran(stage):
+    """Two backwards of a configured three, then the boundary: DeepSpeed applies their sum over
+    three (each backward is a third of a step), and so does the engine."""
+    ref, _ = _reference(2, 3, 2)
+    for shape in ("deepspeed", "accelerate"):
+        for ours, _ in run_ranks(_loop, 2, stage, 3, shape, 2):
+            assert max((ours[n] - ref[n]).abs().max().item() for n in ref) < 1e-6, shape
+
+
+def test_the_loss_metric_is_the_mean_of_the_backwards():
+    engine, *_ = zfunc.initialize(model=_model(), config=_config(1, 2))
+    losses = []
+    for k in range(2):
+        x, y = _micro(0, k, 0)
+        loss = F.mse_loss(engine(x), y)
+        losses.append(loss.item())
+        engine.set_gradient_accumulation_boundary(k == 1)
+        engine.backward(loss)
+    engine.step()
+    assert engine.state.metrics.loss.item() == pytest.approx(sum(losses) / 2, rel=1e-6)
+    assert engine.global_steps == 1 and engine.micro_steps == 1
+
+
+def test_an_output_is_what_the_module_returned():
+    """The engine's output is the module's own tensor: in-place ops work, its grad_fn is the
+    module's last op, and an input gradient through it is torch's (no factor on it)."""
+    engine, *_ = zfunc.initialize(model=_model(), config=_config(2, 4))
+    ref = _model()
+    x = torch.randn(2, 5, requires_grad=True)
+    out = engine(x)
+    assert type(out.grad_fn).__name__ == "AddmmBackward0"
+    out.mul_(2.0)
+    (dx,) = torch.autograd.grad(out.sum(), x)
+    xr = x.detach().requires_grad_()
+    (dxr,) = torch.autograd.grad((ref(xr) * 2.0).sum(), xr)
+    assert torch.allclose(dx, dxr, atol=1e-7, rtol=0)
+
+
+def _fp16_engine() -> tuple[object, torch.Tensor]:
+    engine, *_ = zfunc.initialize(model=_model(), config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "fp16": {"enabled": True,
+                                                                             "initial_scale_power": 8},
+        "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_optimization": {"stage": 1}})
+    x, y = _micro(0, 0, 0)
+    return engine, F.mse_loss(engine(x).float(), y)
+
+
+def test_a_plain_backward_under_fp16_loss_scaling_is_refused_as_deepspeed_does():
+    engine, loss = _fp16_engine()
+    with pytest.raises(RuntimeError, match="Loss scaling is required"):
+        loss.backward()
+    with pytest.raises(RuntimeError, match="no backward reached the model"):
+        engine.step()  # the refused backward's gradients were dropped: nothing to apply
+
+
+def test_engine_scale_then_backward_equals_engine_backward():
+    a, loss_a = _fp16_engine()
+    a.scale(loss_a).backward()
+    a.step()
+    b, loss_b = _fp16_engine()
+    b.backward(loss_b)
+    b.step()
+    assert a.state.metrics.skipped.item() == 0
+    assert torch.equal(a.state.params, b.state.params)
+    assert a.get_global_grad_norm() == b.get_global_grad_norm() > 0
+
+
+# -- every documented form of initialize's arguments -----------------------------------------------
+
+_DS = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+       "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}
+
+
+def _forms(tmp: pathlib.Path) -> dict[str, dict]:
+    path = tmp / "ds.json"
+    path.write_text(json.dumps(_DS))
+    model = _model()
+    return {
+        "dict": {"config": _DS},
+        "json path (str)": {"config": str(path)},
+        "json path (PathLike)": {"config": path},
+        "config_params": {"config_params": _DS},
+        "zfunc.Config": {"config": zfunc.Config(grad_accum=2, optimizer=zfunc.adamw(lr=0.01))},
+        "zfunc.Config and a torch scheduler": {
+            "config": zfunc.Config(grad_accum=2, optimizer=zfunc.adamw(lr=0.01)),
+            "lr_scheduler": lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1)},
+        "model_parameters (params)": {"config": _DS, "model_parameters": model.parameters()},
+        "model_parameters (groups)": {"config": _DS, "model_parameters": [
+            {"params": [p for p in model.parameters() if p.ndim == 2]},
+            {"params": [p for p in model.parameters() if p.ndim == 1], "weight_decay": 0.0}]},
+        "a zfunc optimizer": {"config": _DS, "optimizer": zfunc.adamw(lr=0.01)},
+        "a torch optimizer": {"config": {k: v for k, v in _DS.items() if k != "optimizer"},
+                              "optimizer": torch.optim.AdamW(model.parameters(), lr=0.01)},
+        "a torch scheduler": {"config": _DS, "lr_scheduler": lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1)},
+        "no config": {},
+    }, model
+
+
+@pytest.mark.parametrize("form", ["dict", "json path (str)", "json path (PathLike)", "config_params", "zfunc.Config",
+                                  "zfunc.Config and a torch scheduler", "model_parameters (params)",
+                                  "model_parameters (groups)", "a zfunc optimizer", "a torch optimizer",
+                                  "a torch scheduler", "no config"])
+def test_every_documented_form_of_initialize(form, tmp_path):
+    forms, model = _forms(tmp_path)
+    engine, optimizer, none, scheduler = zfunc.initialize(model=model, **forms[form])
+    assert none is None and optimizer is engine.optimizer
+    before = zfunc.full_params(engine.state)
+    for k in range(engine.config.grad_accum):
+        x, y = _micro(0, k, 0)
+        engine.backward(F.mse_loss(engine(x), y))
+        engine.step()
+    assert engine.global_steps == 1
+    after = zfunc.full_params(engine.state)
+    assert any(not torch.equal(before[n], after[n]) for n in before)
+    if "scheduler" in form:
+        assert scheduler is not None and hasattr(scheduler, "step")
+    assert os.fspath(tmp_path)  # the JSON forms read their file from here
