@@ -199,7 +199,7 @@ def test_more_micro_batches_than_grad_accum_are_refused():
     assert state.micro_step.item() == 1
 
 
-# -- cotangents of outputs outside the pytree -------------------------------------------------
+# -- outputs outside the pytree -------------------------------------------------
 
 @dataclasses.dataclass
 class Extra:  # not registered with zfunc.tree
@@ -227,7 +227,7 @@ def _objective(kind, out, y):
 
 
 @pytest.mark.parametrize("kind", ["dataclass", "distribution"])
-def test_objects_in_the_output_get_the_cotangent_factor(kind):
+def test_objects_in_the_output_train_like_torch(kind):
     torch.manual_seed(0)
     model = TwoHeads(kind)
     ref = TwoHeads(kind)
@@ -255,11 +255,27 @@ class SlottedOut(nn.Linear):
         return Slotted(super().forward(x))
 
 
-def test_an_output_zfunc_cannot_scale_is_refused_by_type():
-    state = zfunc.init(SlottedOut(3, 2), zfunc.Config(stage=0))
-    with pytest.raises(TypeError, match=r"Slotted\.value \(a __slots__ attribute\)"):
-        zfunc.backward_step(state, lambda m, x: m(x).value.sum(), torch.ones(1, 3))
-    assert state.micro_step.item() == 0
+def test_an_output_zfunc_cannot_reach_into_is_returned_as_it_is():
+    """zfunc attaches nothing to the model's outputs, so an object whose tensors sit in
+    ``__slots__`` trains like any other: the output is the module's own object."""
+    torch.manual_seed(0)
+    model, ref = SlottedOut(3, 2), SlottedOut(3, 2)
+    ref.load_state_dict(model.state_dict())
+    state = zfunc.init(model, zfunc.Config(stage=0, grad_accum=2))
+    seen = []
+
+    def loss_fn(m, x):
+        out = m(x)
+        seen.append(type(out))
+        return out.value.sum()
+
+    for _ in range(2):
+        state, _ = zfunc.backward_step(state, loss_fn, torch.ones(1, 3))
+        (ref(torch.ones(1, 3)).value.sum() / 2).backward()
+    unit = state.layout.units[0]
+    grads = state.layout.views(unit, state.grads.narrow(0, 0, unit.padded))
+    assert seen == [Slotted, Slotted]
+    assert all(torch.allclose(grads[n], p.grad, atol=1e-7) for n, p in ref.named_parameters())
 
 
 # -- the module stays the user's -----------------------------------------------------------

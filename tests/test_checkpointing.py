@@ -79,13 +79,14 @@ def test_checkpointing_through_the_engine():
 def _late_part(rank: int) -> str:
     """Every parameter's gradient handed to the bucket reducer, then one of them again: its bucket's
     reduce is under way, so the late part is refused (it could not be added any more)."""
+    from zfunc.autograd.average import Average
     from zfunc.autograd.buckets import bucket_views
 
     torch.manual_seed(0)
     state = zfunc.init(Stack(2), zfunc.Config(stage=2))
     sink = torch.zeros((), requires_grad=True).expand(state.grads.numel())
     sink.grad = torch.zeros(state.grads.numel())
-    views, rebind = bucket_views(state, sink, state.binding.buckets(state), state.binding._pool)
+    views, rebind = bucket_views(state, sink, state.binding.buckets(state), state.binding._pool, Average(1, 2))
     reducer = rebind.take.__self__
     for j, (_, slot) in enumerate(reducer.slots):
         rebind.take(j, torch.ones(slot.shape))

@@ -177,24 +177,23 @@ def test_n_backwards_between_steps_all_accumulate():
         assert max(run_ranks(_manual, 2, stage)) < 2e-6
 
 
-def _fp16_nonscalar(rank: int, stage: int) -> tuple[float, float]:
+def _fp16_nonscalar(rank: int, stage: int) -> str:
     cfg = _ds(stage, fp16={"enabled": True, "initial_scale_power": 8})
     engine, *_ = zfunc.initialize(model=_model(), config=cfg)
-    x, y = _data(0, rank)
+    x, _ = _data(0, rank)
     out = engine(x)
-    out.backward(torch.ones_like(out) / out.numel())  # under dynamic scaling: scaled in the graph
-    engine.step()
-    ref = _model()
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
-    for r in range(2):
-        (ref(_data(0, r)[0].half().float()).mean() / 2).backward()
-    opt.step()
-    return _diff(engine, dict(ref.named_parameters())), engine.loss_scale
+    try:
+        out.backward(torch.ones_like(out) / out.numel())
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
 
 
-def test_nonscalar_backward_under_fp16_dynamic_scaling():
-    for diff, scale in run_ranks(_fp16_nonscalar, 2, 2):
-        assert scale == 256.0 and diff < 5e-3, (diff, scale)
+def test_nonscalar_backward_under_fp16_dynamic_scaling_is_refused_as_deepspeed_does():
+    # DeepSpeed 0.19.8 scales a backward only through engine.backward/engine.scale (scalars); an
+    # out.backward(grad) under fp16 loss scaling ends in its "Loss scaling is required" error
+    for said in run_ranks(_fp16_nonscalar, 2, 2):
+        assert "Loss scaling is required" in said, said
 
 
 def test_engine_state_round_trips_through_functional_code():
@@ -300,8 +299,8 @@ def test_deepspeed_schedule_lags_one_update():
 
 
 def _second_order(rank: int, stage: int) -> tuple[str, str, float]:
-    """create_graph=True through the parameters is refused; so is a gradient penalty on the inputs
-    where its terms would miss the 1/(grad_accum * world) factor; with grad_accum * world == 1 it
+    """create_graph=True through the parameters is refused; a gradient penalty on the inputs is
+    torch's at any grad_accum and world (nothing scales the model's outputs); on one rank it
     trains like torch."""
     world = zfunc.comm.world().size
     engine, *_ = zfunc.initialize(model=_model(), config=_ds(stage, 2))
@@ -343,11 +342,11 @@ def _second_order(rank: int, stage: int) -> tuple[str, str, float]:
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_second_order_terms_are_exact_or_refused(stage):
+def test_second_order_terms_are_exact_through_inputs_and_refused_through_parameters(stage):
     for world in (1, 2):
         for through_params, penalty, diff in run_ranks(_second_order, world, stage):
             assert "create_graph=True" in through_params and "no error" not in through_params, through_params
-            assert "grad_accum * world == 1" in penalty, penalty  # grad_accum 2: refused
+            assert penalty == "no error", penalty
             assert world > 1 or "through a zfunc model's parameters" in through_params, through_params
             assert diff <= 2e-6, diff  # grad_accum 1 on one rank: the penalty trains as in torch
 

@@ -25,25 +25,15 @@ def _decay_split(model: nn.Module) -> tuple[list, list]:
     return [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
 
 
-class _Scaled:
-    """``compute`` with its output's cotangent multiplied in the output's dtype, as zfunc does."""
-
-    def __init__(self, compute: nn.Module, factor: float):
-        self.compute, self.factor = compute, factor
-
-    def __call__(self, *args):
-        out = self.compute(*args)
-        out.register_hook(lambda g: g * torch.tensor(self.factor, dtype=g.dtype))
-        return out
-
-
-def _torch_reference(name: str, world: int, *, schedule=None, bf16: bool = False, cast_first: bool = False
-                     ) -> nn.Module:
+def _torch_reference(name: str, world: int, *, schedule=None, bf16: bool = False, cast_first: bool = False,
+                     engine: bool = False) -> nn.Module:
     """Single-process torch.optim.AdamW with two groups, clipping, accumulation, on every rank's data.
 
     ``bf16``: mixed precision as zfunc's ``precision="bf16"`` defines it, written in plain torch:
-    fp32 master weights (the optimizer's), a bf16 copy for forward and backward, the
-    ``1 / (world * grad_accum)`` factor on the output's cotangent, gradients summed in fp32.
+    fp32 master weights (the optimizer's), a bf16 copy for forward and backward, each bf16
+    parameter gradient widened and multiplied by ``1 / (world * grad_accum)`` as it is added in
+    fp32. ``engine``: the engine's backward, whose bf16 seed carries the ``1 / grad_accum``
+    (DeepSpeed's), the gradient then multiplied by ``1 / world``.
     ``cast_first``: the masters start as the weights cast to bf16 (DeepSpeed's rule: it casts the
     model, then builds its fp32 masters).
     """
@@ -69,10 +59,12 @@ def _torch_reference(name: str, world: int, *, schedule=None, bf16: bool = False
             for mb in split(batch_fn(i, r, MICRO * GA), GA):
                 if bf16:
                     compute.zero_grad(set_to_none=True)
-                    loss_fn(_Scaled(compute, 1.0 / (world * GA)), mb).backward()
+                    loss = loss_fn(compute, mb)
+                    loss.backward(torch.full_like(loss, 1.0 / GA if engine else 1.0))
+                    factor = 1.0 / (world if engine else world * GA)
                     for p, c in zip(model.parameters(), compute.parameters()):
                         if p.requires_grad:
-                            p.grad += c.grad.float()
+                            p.grad.add_(c.grad, alpha=factor)
                 else:
                     (loss_fn(model, mb) / (world * GA)).backward()
         torch.nn.utils.clip_grad_norm_(trained, 1.0)
@@ -156,7 +148,7 @@ def _hf_loop(rank: int, stage: int, precision: str = "fp32") -> float:
     # DeepSpeed's WarmupDecayLR: update u uses the formula at max(u - 1, 0).
     formula = zfunc.schedules.warmup_decay_lr(6, 0.0, 1e-2, 2, "linear")
     ref = _torch_reference("gpt", world, schedule=lambda u: formula(max(u - 1, 0)).item(), bf16=precision == "bf16",
-                           cast_first=precision == "bf16")  # a DeepSpeed config: DeepSpeed's masters
+                           cast_first=precision == "bf16", engine=True)  # a DeepSpeed config: DeepSpeed's masters
     assert optimizer.param_groups[0]["lr"] == pytest.approx(formula(STEPS - 1).item())
     return _diff(zfunc.full_params(engine.state), ref)
 
@@ -170,12 +162,16 @@ def test_hugging_face_style_loop_matches_torch(world):
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_bf16_loops_match_torch_mixed_precision(world):
-    """bf16 compute copy, fp32 masters and gradients, against the same recipe in plain torch."""
+    """bf16 compute copy, fp32 masters and gradients, against the same recipe in plain torch.
+    At world 3 the factor 1/6 (or 1/3) gives the widened bf16 gradients full fp32 mantissas, so
+    their sums round by the order of addition, which the all-reduce chooses (Adam's
+    normalisation amplifies the ulps): 1e-5 there, 1e-6 where the factor is a power of two."""
+    bound = 1e-5 if world == 3 else 1e-6
     for stage in (0, 1, 2, 3):
         for d in run_ranks(_functional_nanogpt, world, "gpt", stage, "bf16"):
-            assert d < 1e-6, ("nanoGPT", stage, d)
+            assert d < bound, ("nanoGPT", stage, d)
         for d in run_ranks(_hf_loop, world, stage, "bf16"):
-            assert d < 1e-6, ("Hugging Face", stage, d)
+            assert d < bound, ("Hugging Face", stage, d)
 
 
 def test_bf16_groups_train_like_torch_autocast():

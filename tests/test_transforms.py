@@ -116,7 +116,7 @@ def _raised_then_compiled(rank: int) -> tuple[int, bool]:
             zfunc.core.backward.bind(state, sinks)(torch.ones(2, 3)).sum().backward(create_graph=True)
         except RuntimeError as e:
             assert "create_graph" in str(e)
-    left = zfunc.autograd.cotangent.BACKWARDS
+    left = zfunc.autograd.calls.BACKWARDS
     return left, bool(_compiled(rank, 0, True))
 
 

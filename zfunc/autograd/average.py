@@ -56,6 +56,10 @@ class Average:
         self.micro_batches, self.ranks = micro_batches, ranks
         self.factor = 1.0 / (micro_batches * ranks)
 
+    def current(self) -> float:
+        """The factor now (for a backward that reads it when it runs)."""
+        return self.factor
+
     @contextlib.contextmanager
     def seeded(self) -> Iterator[None]:
         """While a backward runs whose seed is divided by ``micro_batches`` already."""

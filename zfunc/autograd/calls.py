@@ -96,10 +96,10 @@ def tensors_in(x: Any, depth: int = 4) -> Iterator[torch.Tensor]:
     ``torch.distributions.Distribution``), ``depth`` levels deep. Nothing is rebuilt or changed.
 
     Examples:
-        >>> import torch
-        >>> d = torch.distributions.Normal(torch.zeros(2), torch.ones(2))
-        >>> len(list(tensors_in((torch.ones(1), {"dist": d}))))
-        2
+        >>> import torch, types
+        >>> obj = types.SimpleNamespace(loc=torch.zeros(2), note="x")
+        >>> [t.shape for t in tensors_in((torch.ones(1), {"obj": obj}))]
+        [torch.Size([1]), torch.Size([2])]
     """
     for leaf in tree.leaves(x):
         if isinstance(leaf, torch.Tensor):

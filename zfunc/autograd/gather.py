@@ -103,6 +103,12 @@ def graph_task() -> int:
     return torch._C._current_graph_task_id()
 
 
+def _hooks_active() -> bool:
+    """Whether saved-tensor hooks are in force (the user's: activation checkpointing, offload).
+    A read of autograd's hook stack; no public equivalent."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
 def _plain() -> Any:
     """Tensors made inside it are plain ones, even where a ``torch.func`` transform runs (a user's
     ``grad`` around the model): the collectives' buffers are the state's, never the transform's.
@@ -261,10 +267,7 @@ class UnitGatherer:
         if self.reducer is not None and not in_backward():
             return _GatherUnit.apply(self.hub, self, i)
         return _count_bytes(comm.unit_params(self.sinks[i], self._shard(i), None, st.mesh.shard, st.cfg.reduce_dtype,
-                                             True, self._factor))
-
-    def _factor(self) -> float:
-        return self.avg.factor
+                                             True, self.avg.current))
 
     def regather(self, i: int) -> torch.Tensor:
         """Unit ``i`` in full again, for backward (shared by the saved tensors that need it); the
@@ -322,7 +325,7 @@ class UnitGatherer:
         views = self.state.layout.views(self.state.layout.units[i], full)
         # Restored by `leave`, and by the enclosing functional_call if forward raises.
         self.swapped[i] = swap_in((owner._parameters, attr, views[name]) for name, owner, attr in slots)
-        if self.reducer is not None and not in_transform():
+        if self.reducer is not None and not in_backward() and not in_transform() and not _hooks_active():
             key = full.untyped_storage().data_ptr()
             self.live[key] = i  # what the saved-tensor hooks look up
             hooks = self._saving()
@@ -341,9 +344,10 @@ class UnitGatherer:
         """Saved-tensor hooks for the time one unit's module runs: a saved tensor that views a
         gathered unit is stored as a recipe and regathered when backward needs it. Pushed per
         unit, never around the whole call: a ``torch.func`` transform (which refuses saved-tensor
-        hooks) in the code around the units runs as it would without zfunc. Inside a transform
-        none are pushed: autograd keeps the gathered units it saves until backward, as without
-        ZeRO-3."""
+        hooks) in the code around the units runs as it would without zfunc. None are pushed
+        inside a transform (autograd keeps the gathered units it saves until backward, as
+        without ZeRO-3) or under the user's own saved-tensor hooks (activation checkpointing,
+        ``save_on_cpu``), which then decide what is kept."""
         def pack(t: torch.Tensor) -> Any:
             i = self.live.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
             if i is None:
