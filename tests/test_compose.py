@@ -95,7 +95,7 @@ def hvps(model, batch):
     (g,) = torch.autograd.grad(model(x).pow(2).sum(), x, create_graph=True)
     (rr,) = torch.autograd.grad((g * v).sum(), x, create_graph=True)
     _, fr = jvp(grad(lambda x: model(x).pow(2).sum()), (batch["x"],), (v,))
-    return _mse(model, batch) + 0.01 * rr.pow(2).mean() + 0.01 * fr.pow(2).mean()
+    return _mse(model, batch) + 0.5 * rr.pow(2).mean() + 0.5 * fr.pow(2).mean()
 
 
 def forward_mode(model, batch):
@@ -180,6 +180,12 @@ def test_every_composition_gives_torchs_numbers(world, stage, ga):
     for out in run_ranks(_worst, world, stage, ga, world):
         bad = {k: v for k, v in out.items() if not v < 1e-6}
         assert not bad, bad
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_fgsm_and_a_penalty_at_world_two_with_grad_accum_two(stage):
+    for out in run_ranks(_worst, 2, stage, 2, 2):
+        assert out["fgsm"] < 1e-6 and out["penalty"] < 1e-6, out
 
 
 def test_recipes_move_the_weights():

@@ -1,0 +1,136 @@
+"""The model ``loss_fn`` receives answers a module's questions: ``named_parameters()``,
+``parameters()``, ``named_buffers()`` and ``torch.func.functional_call`` work on it, with the
+tensors forward uses, and gradients through them reach the state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zfunc
+from tests.helpers import ZooNet, zoo_batch
+
+
+def _bn_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_names_and_tensors_are_the_modules(stage):
+    torch.manual_seed(0)
+    model = ZooNet()  # tied, frozen and odd-sized parameters
+    expected = [n for n, _ in model.named_parameters()]
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = zfunc.init(model, zfunc.Config(stage=stage))
+    seen = {}
+
+    def loss_fn(m, batch):
+        seen["names"] = [n for n, _ in m.named_parameters()]
+        seen["all"] = [n for n, _ in m.named_parameters(remove_duplicate=False)]
+        seen["prefixed"] = [n for n, _ in m.named_parameters(prefix="net")][:1]
+        seen["values"] = {n: p.detach().clone() for n, p in m.named_parameters()}
+        seen["same"] = all(a is b for a, b in zip(m.parameters(), m.parameters()))
+        seen["trainable"] = {n: p.requires_grad for n, p in m.named_parameters()}
+        return ((m(batch["x"], batch["side"]) - batch["y"]) ** 2).mean()
+
+    zfunc.backward_step(state, loss_fn, zoo_batch(0, 0, 4))
+    assert seen["names"] == expected
+    assert seen["all"] == [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    assert seen["prefixed"] == ["net." + expected[0]]
+    assert all(torch.equal(seen["values"][n], full[n]) for n in expected)
+    assert seen["same"]  # every call answers the same tensors
+    assert seen["trainable"] == {n: n not in ("frozen.weight", "frozen.bias") for n in expected}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_surrogate_on_the_parameters_reaches_the_state(stage):
+    """``sum(p * c)`` over ``named_parameters()`` gives each parameter the gradient ``c``: the
+    state's gradient is ``c`` averaged over micro-batches (stage 3: every parameter in the root)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
+    cfg = zfunc.Config(stage=stage, grad_accum=2, optimizer=zfunc.sgd(lr=1.0), units=[] if stage == 3 else None)
+    state = zfunc.init(model, cfg)
+    before = zfunc.full_params(state)
+    for k in (1.0, 3.0):
+        state, _ = zfunc.backward_step(state, lambda m, c: sum((p * c).sum() for p in m.parameters()), k)
+    state = zfunc.apply_step(state)
+    after = zfunc.full_params(state)
+    assert all(torch.allclose(before[n] - after[n], torch.full_like(before[n], 2.0)) for n in before)
+
+
+def test_functional_call_runs_on_the_parameters_given():
+    torch.manual_seed(0)
+    state = zfunc.init(nn.Linear(3, 2), zfunc.Config(stage=2, grad_accum=1))
+    w = torch.randn(2, 3)
+    x = torch.randn(4, 3)
+    got = {}
+
+    def loss_fn(m, x):
+        b = dict(m.named_parameters())["bias"]
+        got["given"] = torch.func.functional_call(m, {"weight": w}, (x,))
+        got["expected"] = x @ w.T + b
+        return m(x).sum()
+
+    state, _ = zfunc.backward_step(state, loss_fn, x)
+    assert torch.allclose(got["given"], got["expected"].detach())
+    # and the state's own weight is back for the plain call: its gradient is x summed
+    g = state.layout.views(state.layout.units[0], state.grads.narrow(0, 0, state.layout.units[0].padded))
+    assert torch.allclose(g["weight"], x.sum(0).expand(2, 3))
+
+
+def test_buffers_are_the_calls_and_a_given_buffer_stays_out_of_the_state():
+    state = zfunc.init(_bn_net(), zfunc.Config(stage=1))
+    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(0))
+    seen = {}
+
+    def loss_fn(m, x):
+        seen["names"] = [n for n, _ in m.named_buffers()]
+        torch.func.functional_call(m, {"1.running_mean": torch.full((4,), 5.0)}, (x,))
+        return m(x).sum()
+
+    new, _ = zfunc.backward_step(state, loss_fn, x)
+    assert seen["names"] == ["1.running_mean", "1.running_var", "1.num_batches_tracked"]
+    ref = _bn_net()  # torch: the buffers not given are the module's, and both calls update them
+    torch.func.functional_call(ref, {"1.running_mean": torch.full((4,), 5.0)}, (x,))
+    ref(x)
+    for name, b in ref.named_buffers():
+        assert torch.allclose(new.buffers[name].to(b.dtype), b), name
+    assert new.buffers["1.num_batches_tracked"].item() == 2
+
+
+def test_attributes_are_submodules_and_parameters_are_refused_by_name():
+    state = zfunc.init(_bn_net(), zfunc.Config())
+    seen = {}
+
+    def loss_fn(m, x):
+        seen["sub"] = type(m.get_submodule("0")).__name__
+        with pytest.raises(AttributeError, match=r"named_parameters\(\)\)\['x'\]|has no attribute"):
+            m.nothing_here
+        return m(x).sum()
+
+    zfunc.backward_step(state, loss_fn, torch.randn(4, 3))
+    assert seen["sub"] == "Linear"
+    weight_model = nn.Linear(2, 1)
+    state = zfunc.init(weight_model, zfunc.Config())
+
+    def reads_weight(m, x):
+        m.weight
+        return m(x).sum()
+
+    with pytest.raises(AttributeError, match=r"dict\(model.named_parameters\(\)\)\['weight'\]"):
+        zfunc.backward_step(state, reads_weight, torch.randn(4, 2))
+
+
+def test_stage_3_with_units_refuses_and_names_the_alternatives():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
+    state = zfunc.init(model, zfunc.Config(stage=3, units=["0"], persist_threshold=0))
+    with pytest.raises(RuntimeError, match=r"zfunc.full_params\(state\).*units=\[\]"):
+        zfunc.backward_step(state, lambda m, x: sum(p.sum() for p in m.parameters()), None)
+    for tie in (True, False):  # (tie_weights asks named_parameters first)
+        with pytest.raises(RuntimeError, match="at ZeRO stage 3"):
+            zfunc.backward_step(state, lambda m, x: torch.func.functional_call(
+                m, {"2.bias": torch.zeros(2)}, (x,), tie_weights=tie).sum(), torch.ones(1, 3))
+    assert state.micro_step.item() == 0
