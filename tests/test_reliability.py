@@ -384,3 +384,118 @@ def test_engine_step_without_backward_is_refused():
     engine(torch.ones(1, 3)).sum().backward()
     engine.step()
     assert engine.global_steps == 1
+
+
+# -- failures on one rank are errors on every rank; what the ranks must agree on is checked --------
+
+def _damaged_on_rank_0(rank: int, path: str, engine: bool) -> str:
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    if engine:
+        eng, *_ = zfunc.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
+                                                        "zero_optimization": {"stage": 2}})
+        eng.save_checkpoint(path, tag="t")
+        ckpt = os.path.join(path, "t")
+    else:
+        state = zfunc.init(model, zfunc.Config(stage=2))
+        ckpt = zfunc.save(state, path)
+    zfunc.comm.all_gather_object(None, zfunc.comm.world())
+    if rank == 0:  # one bit of rank 0's own piece of the weight
+        f = os.path.join(ckpt, "__0_0.distcp")
+        with open(f, "rb") as fh:
+            data = bytearray(fh.read())
+        at = data.find(model.weight.detach().reshape(-1)[100:110].numpy().tobytes())
+        assert at >= 0
+        data[at + 5] ^= 0x40
+        with open(f, "wb") as fh:
+            fh.write(bytes(data))
+    zfunc.comm.all_gather_object(None, zfunc.comm.world())
+    try:
+        if engine:
+            eng.load_checkpoint(path, tag="t")
+        else:
+            zfunc.load(ckpt, like=state)
+    except zfunc.CheckpointError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("engine", [False, True])
+def test_a_piece_damaged_on_one_rank_is_an_error_on_every_rank(tmp_path, engine):
+    t0 = time.monotonic()
+    for said in run_ranks(_damaged_on_rank_0, 2, str(tmp_path / "ckpt"), engine, timeout=60):
+        assert "damaged pieces" in said and "(rank 0)" in said, said
+    assert time.monotonic() - t0 < 30
+
+
+def _latest_fails_on_rank_0(rank: int, path: str, where: str) -> tuple[str, str]:
+    engine, *_ = zfunc.initialize(model=nn.Linear(3, 2), config={"train_micro_batch_size_per_gpu": 1})
+    engine.save_checkpoint(path, tag="first")
+    real = os.replace
+
+    def failing(a: str, b: str) -> None:  # the checkpoint's commit, or the `latest` pointer
+        if (os.path.basename(b) == "latest") == (where == "latest"):
+            raise OSError("disk full")
+        real(a, b)
+
+    if rank == 0:
+        os.replace = failing
+    try:
+        engine.save_checkpoint(path, tag="second")
+        said = "no error"
+    except zfunc.CheckpointError as e:
+        said = str(e)
+    finally:
+        os.replace = real
+    with open(os.path.join(path, "latest")) as f:
+        return said, f.read().strip()
+
+
+@pytest.mark.parametrize("where", ["commit", "latest"])
+def test_a_save_checkpoint_failing_on_one_rank_fails_on_every_rank(tmp_path, where):
+    for said, latest in run_ranks(_latest_fails_on_rank_0, 2, str(tmp_path / "ckpt"), where, timeout=60):
+        assert ("pointing" if where == "latest" else "writing") in said, said
+        assert "disk full" in said and "(rank 0)" in said, said
+        assert latest == "first"  # the previous checkpoint stays the latest
+
+
+def _group_lr(rank: int, what: str) -> str:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    if what == "lr":
+        cfg = zfunc.Config(stage=1, param_groups=[zfunc.ParamGroup(lambda n, p: p.ndim < 2, lr=0.1 * (rank + 1))])
+    elif what == "members":
+        cfg = zfunc.Config(stage=1, param_groups=[zfunc.ParamGroup(lambda n, p: n.startswith(str(rank)))])
+    else:
+        cfg = zfunc.Config(stage=1, lr_schedule=zfunc.schedules.warmup_lr(0.0, 0.1, 10 + rank))
+    try:
+        zfunc.init(model, cfg)
+    except zfunc.ConfigError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("what,field", [("lr", "param_groups"), ("members", "param_groups (members)"),
+                                        ("schedule", "lr_schedule")])
+def test_hyperparameters_that_differ_across_ranks_are_named(what, field):
+    for said in run_ranks(_group_lr, 2, what, timeout=60):
+        assert said.startswith(f"{field}: differs across ranks (rank 0: "), said
+
+
+def test_a_step_without_a_micro_batch_is_refused():
+    state = _state()
+    before = snapshot(state)
+    with pytest.raises(RuntimeError, match="no micro-batch was accumulated since the last step"):
+        zfunc.apply_step(state)
+    assert bitwise_equal(before, snapshot(state))
+    state = zfunc.apply_step(zfunc.accumulate(state, {}, strict=False))
+    with pytest.raises(RuntimeError, match="a loop that calls the step twice"):
+        zfunc.apply_step(state)
+
+
+def test_accumulate_names_the_missing_gradients():
+    state = zfunc.init(nn.Linear(3, 2), zfunc.Config())
+    with pytest.raises(KeyError, match=r"no gradient for \['bias'\].*strict=False"):
+        zfunc.accumulate(state, {"weight": torch.ones(2, 3)})
+    assert state.micro_step.item() == 0
+    assert zfunc.accumulate(state, {"weight": torch.ones(2, 3)}, strict=False).micro_step.item() == 1

@@ -46,11 +46,11 @@ def _donated_reuse(rank: int, stage: int) -> list[str]:
     state = zfunc.init(make(), zfunc.Config(stage=stage, grad_accum=2))
     b = batch_fn(0, rank, 2)
     s1, _ = zfunc.backward_step(state, loss_fn, b, donate=True)
-    s2 = zfunc.accumulate(s1, {}, donate=True)
+    s2 = zfunc.accumulate(s1, {}, strict=False, donate=True)
     s3 = zfunc.apply_step(s2, donate=True)
     out, pullback = zfunc.vjp(s3, lambda m, x: loss_fn(m, x), b, donate=True)
     s4 = pullback(torch.ones(()))
-    uses = [lambda: zfunc.backward_step(state, loss_fn, b), lambda: zfunc.accumulate(s1, {}),
+    uses = [lambda: zfunc.backward_step(state, loss_fn, b), lambda: zfunc.accumulate(s1, {}, strict=False),
             lambda: zfunc.apply_step(s2), lambda: zfunc.vjp(s3, loss_fn, b),
             lambda: zfunc.full_params(s2), lambda: s2.params + 1, lambda: s2.params.sum(), lambda: torch.add(s3.compute, 1),
             lambda: float(s1.step), lambda: s2.opt.count]

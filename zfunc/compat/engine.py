@@ -35,13 +35,13 @@ from zfunc.core.backward import bind, boundary_fold, loss_scaled, point_sinks, r
 from zfunc.autograd.average import Average, ranks_averaged
 from zfunc.autograd.buckets import Fold
 from zfunc.autograd.gather import graph_task
-from zfunc.io.checkpoint import exists, load, read_extra, save
+from zfunc.io.checkpoint import agree, exists, load, read_extra, save
 from zfunc.io.deepspeed_checkpoint import is_deepspeed_checkpoint, read_deepspeed
 from zfunc.core.config import Config
 from zfunc.compat.engine_config import ConfigAccessors
 from zfunc.core.create import full_params, init, masters_from_compute
 from zfunc.compat.deepspeed_config import BatchSizes
-from zfunc.errors import ConfigError, DeepSpeedAssertion
+from zfunc.errors import CheckpointError, ConfigError, DeepSpeedAssertion
 from zfunc.autograd.forward_gather import settle
 from zfunc.compat.utils import register as register_params
 from zfunc.compat.optimizer_view import OptimizerView
@@ -394,12 +394,17 @@ class Engine(ConfigAccessors, torch.nn.Module):
         extra = {"client_state": client_state, "micro_steps": self.micro_steps,
                  "global_samples": self.global_samples, "lr_scheduler": self._torch_scheduler_state()}
         save(self._state, os.path.join(os.fspath(save_dir), tag), extra=extra)
+        problem = None
         if save_latest and self._state.group.rank == 0:
-            tmp = os.path.join(os.fspath(save_dir), f".latest-{os.getpid()}")
-            with open(tmp, "w") as f:
-                f.write(tag)
-            os.replace(tmp, os.path.join(os.fspath(save_dir), "latest"))
-        comm.all_gather_object(None, self._state.group)  # barrier: `latest` is in place
+            try:
+                tmp = os.path.join(os.fspath(save_dir), f".latest-{os.getpid()}")
+                with open(tmp, "w") as f:
+                    f.write(tag)
+                os.replace(tmp, os.path.join(os.fspath(save_dir), "latest"))
+            except OSError as e:
+                problem = (f"save_checkpoint: {tag} is saved, but pointing {save_dir}/latest at it failed ({e}); "
+                           "latest still names the previous checkpoint")
+        agree(problem, self._state.group)  # `latest` is in place, on every rank's word
         return True
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: Any = None, load_module_strict: bool = True,
@@ -429,13 +434,18 @@ class Engine(ConfigAccessors, torch.nn.Module):
             with open(latest) as f:
                 tag = f.read().strip()
         path = os.path.join(os.fspath(load_dir), _check_tag(tag))
-        if not exists(path) and is_deepspeed_checkpoint(path):  # a run moved over from DeepSpeed
-            ck = read_deepspeed(path)
-            extra = {"micro_steps": ck.global_steps * self.gradient_accumulation_steps(),
-                     "global_samples": ck.global_samples, "lr_scheduler": ck.lr_scheduler,
-                     "client_state": ck.client_state}
-        else:
-            extra = read_extra(path)
+        extra, problem = None, None
+        try:
+            if not exists(path) and is_deepspeed_checkpoint(path):  # a run moved over from DeepSpeed
+                ck = read_deepspeed(path)
+                extra = {"micro_steps": ck.global_steps * self.gradient_accumulation_steps(),
+                         "global_samples": ck.global_samples, "lr_scheduler": ck.lr_scheduler,
+                         "client_state": ck.client_state}
+            else:
+                extra = read_extra(path)
+        except CheckpointError as e:
+            problem = str(e)
+        agree(problem, self._state.group)  # a rank that cannot read it stops every rank, now
         loaded, current = load(path, like=self._state), self._with_group_edits(self._state)
         if load_module_only:  # the weights alone: counters, optimizer and scaler stay the engine's
             loaded = loaded.replace(step=current.step, opt=current.opt, group_opts=current.group_opts,

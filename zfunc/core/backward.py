@@ -47,7 +47,7 @@ def check_room(state: TrainState, what: str) -> None:
     Examples:
         >>> import torch, zfunc
         >>> state = zfunc.init(torch.nn.Linear(1, 1), zfunc.Config(grad_accum=1))
-        >>> state = zfunc.accumulate(state, {})
+        >>> state = zfunc.accumulate(state, {}, strict=False)
         >>> try:
         ...     check_room(state, "backward_step")
         ... except RuntimeError as e:
@@ -361,19 +361,23 @@ def _unscaled(state: TrainState, t: torch.Tensor) -> torch.Tensor:
 
 
 def accumulate(state: TrainState, grads: dict[str, torch.Tensor], *, loss: torch.Tensor | None = None,
-               donate: bool = False) -> TrainState:
+               strict: bool = True, donate: bool = False) -> TrainState:
     """Add one micro-batch's gradients, computed elsewhere, to the state.
 
     ``grads`` maps parameter names (as ``model.named_parameters()``) to this rank's full local
-    gradient of its micro-batch loss; missing names count as zero. They are treated exactly as
-    `backward_step` treats its own: averaged over ranks and micro-batches, scaled by the loss
-    scale, and at stages 2-3 reduce-scattered now. ``loss``, if given, is the micro-batch's
-    loss for ``metrics.loss`` (NaN otherwise).
+    gradient of its micro-batch loss, one entry per trainable parameter (``strict=False``: a
+    missing name counts as zero, as torch's ``load_state_dict(strict=False)`` leaves it alone).
+    They are treated exactly as `backward_step` treats its own: averaged over ranks and
+    micro-batches, scaled by the loss scale, and at stages 2-3 reduce-scattered now. ``loss``,
+    if given, is the micro-batch's loss for ``metrics.loss`` (NaN otherwise).
+
+    Raises:
+        KeyError: a name that is not a trainable parameter, or (``strict``) one missing.
 
     Examples:
         >>> import torch, zfunc
         >>> state = zfunc.init(torch.nn.Linear(2, 1), zfunc.Config(stage=0))
-        >>> state = zfunc.accumulate(state, {"weight": torch.ones(1, 2)})
+        >>> state = zfunc.accumulate(state, {"weight": torch.ones(1, 2)}, strict=False)
         >>> state.grads[:3].tolist(), state.micro_step.item()
         ([1.0, 1.0, 0.0], 1)
     """
@@ -383,6 +387,11 @@ def accumulate(state: TrainState, grads: dict[str, torch.Tensor], *, loss: torch
     if unknown:
         raise KeyError(f"accumulate: {sorted(unknown)} are not trainable parameters of the model; "
                        f"expected names from {list(lay.names)[:5]}...")
+    missing = [n for n in lay.names if n not in grads]
+    if missing and strict:
+        raise KeyError(f"accumulate: no gradient for {missing[:5]}{'...' if len(missing) > 5 else ''} "
+                       f"({len(missing)} of {len(lay.names)} trainable parameters); give every one, or pass "
+                       "strict=False to count the missing ones as zero. Nothing was changed")
     factor = state.scaler.scale / (cfg.grad_accum * ranks_averaged(state))  # as backward_step's gradients
     unit_grads = []
     for unit in lay.units:

@@ -51,19 +51,38 @@ def _signature(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str, 
     return [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()]
 
 
-def _fingerprint(cfg: Config) -> dict[str, str]:
-    """The `Config` fields that must agree across ranks (anything that changes collectives or math)."""
+def _fingerprint(cfg: Config, model: torch.nn.Module) -> dict[str, str]:
+    """What must agree across ranks (anything that changes collectives or math): the `Config`
+    fields, each parameter group's hyperparameters and members, the frozen names, and the
+    learning-rate schedule at a few steps."""
     fields = ("stage", "precision", "grad_accum", "clip", "loss_scale", "master_dtype", "moment_dtype",
               "grad_accum_dtype", "comm_dtype", "autocast", "units", "persist_threshold", "align", "optimizer",
               "shard_size", "bucket_mb", "prefetch", "offload_optimizer", "grad_reduce")
-    return {f: repr(getattr(cfg, f)) for f in fields}
+    out = {f: repr(getattr(cfg, f)) for f in fields}
+    out["param_groups"] = repr([{f.name: getattr(g, f.name) for f in dataclasses.fields(g) if f.name != "params"}
+                                for g in cfg.param_groups])
+    out["freeze"] = repr(sorted(cfg.freeze or ()))
+    try:  # the groups' members: a selector may read anything
+        trainable = trainable_params(model, cfg)
+        groups = assign_groups(cfg.param_groups, trainable)
+        out["param_groups (members)"] = repr([groups[n] for n in trainable])
+    except ConfigError as e:
+        out["param_groups (members)"] = f"refused: {e}"
+    if cfg.lr_schedule is not None:
+        try:
+            out["lr_schedule"] = repr([float(cfg.lr_schedule(torch.tensor(k))) for k in (0, 1, 10, 100, 1000, 10_000)])
+        except Exception as e:  # noqa: BLE001 - the schedule's own error comes when it runs
+            out["lr_schedule"] = f"raised {type(e).__name__}"
+    return out
 
 
 def _check_same_everywhere(model: torch.nn.Module, cfg: Config, group: comm.Group) -> None:
     """Every rank must build the same model with the same config; say where they differ (on every
-    rank, before any collective that would otherwise hang or mix up shards)."""
-    seen = comm.all_gather_object((_signature(model), _fingerprint(cfg)), group)
-    for field, mine in _fingerprint(cfg).items():
+    rank, before any collective that would otherwise hang or mix up shards). One all-gather of a
+    small object per `init` (so per ``initialize``)."""
+    mine = _fingerprint(cfg, model)
+    seen = comm.all_gather_object((_signature(model), mine), group)
+    for field in mine:
         values = [fp[field] for _, fp in seen]
         if any(v != values[0] for v in values):
             raise ConfigError(f"{field}: differs across ranks ({', '.join(f'rank {r}: {v}' for r, v in enumerate(values))}); "

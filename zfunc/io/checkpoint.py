@@ -133,35 +133,73 @@ def save(state: TrainState, path: str | os.PathLike, *, extra: dict[str, Any] | 
     tmp = f"{path}.tmp-{token}"
     sd = _pieces(state)
     crc = {k: _crc(v) for k, v in sd.items()}
-    try:
+    # Each barrier is an agreement (`agree`): what fails on one rank fails on every rank, at once.
+    _attempt(lambda: os.makedirs(tmp) if group.rank == 0 else None, group, tmp, path)  # the directory exists
+    _attempt(lambda: _dcp_save(sd, tmp, group), group, tmp, path)
+    crcs = comm.all_gather_object(crc, group)
+    if group.rank == 0:
+        meta = {"format": _FORMAT, "world": group.size, "shard_size": state.mesh.shard.size, "stage": state.stage,
+                "params": {s.name: list(s.shape) for u in state.layout.units for s in u.slots},
+                "master_dtype": str(state.params.dtype), "moment_dtype": str(state.cfg.moment_dtype),
+                "optimizer": state.cfg.optimizer.name, "optimizers": _optimizer_names(state),
+                "frozen": sorted(_replicated(state)),
+                "replicated": {n: list(t.shape) for n, t in _replicated(state).items()},
+                "groups": state.hyper.lr.numel(),
+                "crc": {k: v for c in crcs for k, v in c.items()}}
+
+    def finish() -> None:
         if group.rank == 0:
-            os.makedirs(tmp)
-        comm.all_gather_object(None, group)  # barrier: the directory exists
-        with _quiet():
-            dcp.save(sd, checkpoint_id=tmp, **_dcp_kwargs(group))
-        crcs = comm.all_gather_object(crc, group)
-        if group.rank == 0:
-            meta = {"format": _FORMAT, "world": group.size, "shard_size": state.mesh.shard.size, "stage": state.stage,
-                    "params": {s.name: list(s.shape) for u in state.layout.units for s in u.slots},
-                    "master_dtype": str(state.params.dtype), "moment_dtype": str(state.cfg.moment_dtype),
-                    "optimizer": state.cfg.optimizer.name, "optimizers": _optimizer_names(state),
-                    "frozen": sorted(_replicated(state)),
-                    "replicated": {n: list(t.shape) for n, t in _replicated(state).items()},
-                    "groups": state.hyper.lr.numel(),
-                    "crc": {k: v for c in crcs for k, v in c.items()}}
             _write(os.path.join(tmp, "extra.pt"), extra_bytes.getvalue())
             _write(os.path.join(tmp, commit.META), json.dumps(meta, indent=1))
             _write(os.path.join(tmp, commit.MARKER), "ok\n")
             commit.commit(tmp, path, token)
-    except BaseException as e:  # torch.distributed.checkpoint raises CheckpointException, a BaseException
-        if group.rank == 0:
-            commit.discard(tmp)
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
-            raise
-        raise CheckpointError(f"save: writing {path} failed ({type(e).__name__}: {e}); the previous "
-                              "checkpoint there, if any, is unchanged") from e
-    comm.all_gather_object(None, group)  # barrier: committed
+
+    _attempt(finish, group, tmp, path)  # committed on every rank's word
     return path
+
+
+def _dcp_save(sd: dict[str, torch.Tensor], tmp: str, group: comm.Group) -> None:
+    with _quiet():
+        dcp.save(sd, checkpoint_id=tmp, **_dcp_kwargs(group))
+
+
+def _attempt(fn: Any, group: comm.Group, tmp: str, path: str) -> None:
+    """``fn()`` on this rank, then `agree`: a failure anywhere discards the new checkpoint and
+    raises on every rank (the previous checkpoint at ``path`` stays)."""
+    problem = None
+    try:
+        fn()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - torch.distributed.checkpoint raises CheckpointException
+        problem = (f"save: writing {path} failed ({type(e).__name__}: {str(e).strip()[:300]}); the previous "
+                   "checkpoint there, if any, is unchanged")
+    try:
+        agree(problem, group)
+    except CheckpointError:
+        if group.rank == 0 and os.path.isdir(tmp):
+            commit.discard(tmp)
+        raise
+
+
+def agree(problem: str | None, group: comm.Group) -> None:
+    """Raise the same `CheckpointError` on every rank when any rank found ``problem``: one small
+    all-gather, so a failure on one rank never leaves the others waiting in a later collective.
+
+    Examples:
+        >>> import zfunc
+        >>> agree(None, zfunc.comm.world())
+        >>> try:
+        ...     agree("load: piece p/w/master/0 damaged", zfunc.comm.world())
+        ... except zfunc.CheckpointError as e:
+        ...     print(e)
+        load: piece p/w/master/0 damaged (rank 0)
+    """
+    problems = [problem] if group.size == 1 else comm.all_gather_object(problem, group)
+    found = [(r, p) for r, p in enumerate(problems) if p is not None]
+    if found:
+        ranks = ", ".join(str(r) for r, _ in found)
+        raise CheckpointError(f"{found[0][1]} (rank{'s' if len(found) > 1 else ''} {ranks})")
 
 
 def _pieces(state: TrainState) -> dict[str, torch.Tensor]:
@@ -307,14 +345,15 @@ def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True)
     if not exists(path) and is_deepspeed_checkpoint(path):
         check_live(like, "load")
         return load_deepspeed(path, like)
-    path = locate(path)
-    meta = read_meta(path)
-    _check_fits(meta, like, path)
     lay, group = like.layout, like.group
+    # What this rank finds wrong is agreed on before the next collective (`agree`): every rank
+    # raises the same error, none waits for a rank that stopped.
+    problem = None
     try:
-        stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    except BaseException as e:  # noqa: BLE001 - DCP's errors include BaseExceptions
-        _reraise(e, f"{path}/.metadata: unreadable")
+        path, meta, stored = _open(path, like)
+    except CheckpointError as e:
+        problem = str(e)
+    agree(problem, group)
     pieces: dict[str, dict[str, list[int]]] = {}
     for key in stored:
         if key.startswith("p/"):
@@ -339,17 +378,16 @@ def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True)
     rng = {rng_key: torch.empty_like(torch.get_rng_state())} if rng_key else {}
     wanted = {**want, **scalars, **frozen, **rng}
     missing = sorted(k for k in wanted if k not in stored)
-    if missing:
-        raise CheckpointError(f"{path}: pieces missing from the checkpoint: {missing[:5]}. Nothing was loaded.")
+    agree(f"{path}: pieces missing from the checkpoint: {missing[:5]}. Nothing was loaded." if missing else None,
+          group)
     try:
         with _quiet():
             dcp.load(wanted, checkpoint_id=path, **_dcp_kwargs(group))
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         _reraise(e, f"{path}: reading the pieces failed")
     damaged = sorted(k for k, t in wanted.items() if meta["crc"].get(k) != _crc(t))
-    if damaged:
-        raise CheckpointError(f"{path}: damaged pieces (their CRC-32 differs from the one saved): {damaged[:5]}. "
-                              "Nothing was loaded; load an earlier checkpoint")
+    agree(f"{path}: damaged pieces (their CRC-32 differs from the one saved): {damaged[:5]}. Nothing was loaded; "
+          "load an earlier checkpoint" if damaged else None, group)
 
     dev = like.device  # the master is placed from the compute device (place_master moves it)
     roles = {role: torch.zeros(t.numel(), dtype=t.dtype, device=dev if role == "master" else t.device)
@@ -374,6 +412,19 @@ def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True)
     scalars = {k[2:]: v.to(live[k].device) for k, v in scalars.items()}  # where the state keeps each
     return _assemble(like, roles, scalars,
                      {k[2:]: v.to(dev) for k, v in frozen.items()}, rng.get(rng_key))
+
+
+def _open(path: str | os.PathLike, like: TrainState) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """The complete checkpoint directory at ``path``, its description and DCP's metadata, checked
+    to fit ``like``; `CheckpointError` otherwise."""
+    path = locate(path)
+    meta = read_meta(path)
+    _check_fits(meta, like, path)
+    try:
+        stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except BaseException as e:  # noqa: BLE001 - DCP's errors include BaseExceptions
+        _reraise(e, f"{path}/.metadata: unreadable")
+    return path, meta, stored
 
 
 def _assemble(like: TrainState, roles: dict[str, torch.Tensor], s: dict[str, torch.Tensor],
