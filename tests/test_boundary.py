@@ -194,9 +194,9 @@ def _override(rank: int) -> str:
     return "no error"
 
 
-def test_engine_refuses_a_boundary_changed_after_the_forward():
+def test_engine_refuses_a_boundary_changed_after_the_backward():
     for message in run_ranks(_override, 2):
-        assert message.startswith("engine.step(): this micro-step's forward ran at the accumulation boundary"), \
+        assert message.startswith("engine.step(): this micro-step's backward ran at the accumulation boundary"), \
             message
 
 

@@ -313,9 +313,9 @@ class Engine(ConfigAccessors, torch.nn.Module):
         boundary = self.is_gradient_accumulation_boundary()
         if self._fold is not None and self._fold.started and not boundary:
             raise RuntimeError(
-                "engine.step(): this micro-step's forward ran at the accumulation boundary, so its backward "
-                "reduced the gradients, but step() is not at the boundary (set_gradient_accumulation_boundary "
-                "changed in between); set the boundary before the forward. Nothing was changed")
+                "engine.step(): this micro-step's backward ran at the accumulation boundary, so it reduced the "
+                "gradients, but step() is not at the boundary (set_gradient_accumulation_boundary changed in "
+                "between); set the boundary before the backward. Nothing was changed")
         backwards, losses = len(self._tasks), self._losses
         known = torch.stack(losses).sum() if len(losses) == backwards else None  # else a plain backward ran
         st = record_micro(self._state, self._state.grads, loss=known, fold=self._fold, micro_batches=backwards)

@@ -15,6 +15,7 @@ old or the new complete checkpoint. Every failure is a `zfunc.CheckpointError`.
 from __future__ import annotations
 
 import contextlib
+import glob
 import io
 import json
 import os
@@ -192,10 +193,14 @@ def agree(problem: str | None, group: comm.Group) -> None:
         >>> try:
         ...     agree("load: piece p/w/master/0 damaged", zfunc.comm.world())
         ... except zfunc.CheckpointError as e:
-        ...     print(e)
-        load: piece p/w/master/0 damaged (rank 0)
+        ...     print(e)  # on more ranks it ends with the ranks that found it: "(rank 1)"
+        load: piece p/w/master/0 damaged
     """
-    problems = [problem] if group.size == 1 else comm.all_gather_object(problem, group)
+    if group.size == 1:
+        if problem is not None:
+            raise CheckpointError(problem)
+        return
+    problems = comm.all_gather_object(problem, group)
     found = [(r, p) for r, p in enumerate(problems) if p is not None]
     if found:
         ranks = ", ".join(str(r) for r, _ in found)
@@ -255,10 +260,20 @@ def locate(path: str | os.PathLike) -> str:
     """
     path = os.path.abspath(os.fspath(path))
     found = commit.locate(path)
-    if found is None:
-        raise CheckpointError(f"{path}: not a complete zfunc checkpoint (no {commit.MARKER} marker): the save "
-                              "was interrupted or this is not a checkpoint directory; load an earlier one")
-    return found
+    if found is not None:
+        return found
+    partial = glob.glob(glob.escape(path) + ".tmp-*")
+    if os.path.isdir(path) or partial:
+        what = "a save to it was interrupted" if partial or os.listdir(path) else "it is an empty directory"
+        raise CheckpointError(f"{path}: not a complete zfunc checkpoint (no {commit.MARKER} marker): {what}; "
+                              "load an earlier one")
+    parent = os.path.dirname(path)
+    tags = sorted(d for d in os.listdir(parent) if os.path.isdir(os.path.join(parent, d))
+                  and (commit.is_complete(os.path.join(parent, d))
+                       or glob.glob(os.path.join(glob.escape(parent), glob.escape(d), "*mp_rank_00_model_states.pt")))) \
+        if os.path.isdir(parent) else []
+    raise CheckpointError(f"{path}: no such checkpoint; " + (f"{parent} holds {tags}" if tags else
+                          f"{parent} holds no checkpoint" if os.path.isdir(parent) else f"{parent} does not exist"))
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
