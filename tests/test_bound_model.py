@@ -100,18 +100,25 @@ def test_buffers_are_the_calls_and_a_given_buffer_stays_out_of_the_state():
     assert new.buffers["1.num_batches_tracked"].item() == 2
 
 
-def test_attributes_are_submodules_and_parameters_are_refused_by_name():
+def test_submodules_are_views_and_parameters_are_refused_by_name():
     state = zfunc.init(_bn_net(), zfunc.Config())
     seen = {}
 
     def loss_fn(m, x):
-        seen["sub"] = type(m.get_submodule("0")).__name__
-        with pytest.raises(AttributeError, match=r"named_parameters\(\)\)\['x'\]|has no attribute"):
+        sub = m.get_submodule("0")
+        seen["sub"] = [n for n, _ in sub.named_children()], m.get_submodule("1") is not None
+        with pytest.raises(AttributeError, match=r"model.0.weight: .*named_parameters\(\)\)\['0.weight'\]"):
+            sub.weight  # the module's own tensor: no gradient of it would reach the state
+        with pytest.raises(AttributeError, match=r"model.1.running_mean: "):
+            m.get_submodule("1").running_mean
+        with pytest.raises(RuntimeError, match="call the model itself"):
+            sub(x)
+        with pytest.raises(AttributeError, match="has no attribute"):
             m.nothing_here
         return m(x).sum()
 
     zfunc.backward_step(state, loss_fn, torch.randn(4, 3))
-    assert seen["sub"] == "Linear"
+    assert seen["sub"] == ([], True)
     weight_model = nn.Linear(2, 1)
     state = zfunc.init(weight_model, zfunc.Config())
 
@@ -134,3 +141,20 @@ def test_stage_3_with_units_refuses_and_names_the_alternatives():
             zfunc.backward_step(state, lambda m, x: torch.func.functional_call(
                 m, {"2.bias": torch.zeros(2)}, (x,), tie_weights=tie).sum(), torch.ones(1, 3))
     assert state.micro_step.item() == 0
+
+
+def test_the_mode_is_the_users_modules():
+    model = _bn_net()
+    state = zfunc.init(model, zfunc.Config())
+    seen = []
+
+    def loss_fn(m, x):
+        seen.append(m.training)
+        m.eval()
+        seen.append((m.training, model.training, model[1].training))
+        m.train()
+        return m(x).sum()
+
+    model.eval()
+    zfunc.backward_step(state, loss_fn, torch.randn(4, 3))
+    assert seen == [False, (False, False, False)] and model.training

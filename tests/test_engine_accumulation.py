@@ -219,3 +219,74 @@ def test_every_documented_form_of_initialize(form, tmp_path):
     if "scheduler" in form:
         assert scheduler is not None and hasattr(scheduler, "step")
     assert os.fspath(tmp_path)  # the JSON forms read their file from here
+
+
+# -- backwards the engine must count once, and seeds several engines share -------------------------
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_reentrant_checkpointing_at_stage_3_is_one_backward(fp16):
+    """Reentrant checkpointing differentiates each segment in a graph task of its own, inside the
+    backward: the engine counts the outer backward once (and under fp16 its seed is scaled)."""
+    from tests.test_stage3 import Stack
+
+    torch.manual_seed(0)
+    model = Stack(3)
+    model.ckpt = "reentrant"
+    ds = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    if fp16:
+        ds["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    engine, *_ = zfunc.initialize(model=model, config=ds)
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    loss = ((engine(x) - y.to(engine.state.cfg.compute_dtype)) ** 2).mean()
+    engine.backward(loss)
+    engine.step()
+    assert engine.state.micro_step.item() == 1
+    assert engine.state.loss_sum.item() == pytest.approx(loss.item(), rel=1e-6)
+
+
+def _two_engines(style: str) -> tuple[float, float]:
+    torch.manual_seed(0)
+    cfg = _config(0, 2)
+    enc = zfunc.initialize(model=nn.Linear(8, 16), config=cfg)[0]
+    head = zfunc.initialize(model=nn.Linear(16, 4), config=cfg)[0]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x, y = torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+        loss = F.cross_entropy(head(torch.tanh(enc(x))), y)
+        if style == "plain":
+            loss.backward()
+        else:
+            (head if style == "head" else enc).backward(loss)
+        enc.step()
+        head.step()
+    return enc.get_global_grad_norm(), head.get_global_grad_norm()
+
+
+def test_one_loss_over_two_engines_is_seeded_once_whichever_engine_runs_it():
+    plain = _two_engines("plain")
+    assert _two_engines("head") == pytest.approx(plain, rel=1e-6)
+    assert _two_engines("enc") == pytest.approx(plain, rel=1e-6)
+
+
+def _fp16_sum(rank: int, stage: int) -> tuple[float, float]:
+    """Gradients near fp16's limit reduced in fp16 over 2 ranks with GAS 4: the mean is taken
+    before the 16-bit sum at every stage, so none overflows."""
+    torch.manual_seed(0)
+    engine, *_ = zfunc.initialize(model=nn.Linear(4, 4), config={
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4, "gradient_clipping": 0.0,
+        "fp16": {"enabled": True, "loss_scale": 1.0}, "communication_data_type": "fp16",
+        "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}})
+    for _ in range(4):
+        out = engine(torch.full((1, 4), 100.0))
+        engine.backward(out.float().sum() * 100.0)
+        engine.step()
+    return engine.state.metrics.skipped.item(), engine.get_global_grad_norm()
+
+
+def test_a_16_bit_reduce_takes_the_mean_first_at_every_stage():
+    results = {stage: run_ranks(_fp16_sum, 2, stage) for stage in (2, 3)}
+    assert results[2] == results[3]
+    assert all(skipped == 0 for skipped, _ in results[3])

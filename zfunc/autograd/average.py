@@ -33,6 +33,11 @@ def ranks_averaged(state: TrainState) -> int:
     return state.group.size if state.cfg.grad_reduce == "mean" else 1
 
 
+# Engine backwards running now whose seed carries 1 / grad_accum: while one runs, every engine's
+# parameter gradients enter times 1 / world (one loss may reach several engines).
+SEEDED = 0
+
+
 class Average:
     """The factor a parameter gradient is multiplied by where it enters zfunc, read when it
     arrives (so one forward's graph serves a backward of either kind).
@@ -54,17 +59,23 @@ class Average:
 
     def __init__(self, micro_batches: int, ranks: int):
         self.micro_batches, self.ranks = micro_batches, ranks
-        self.factor = 1.0 / (micro_batches * ranks)
+
+    @property
+    def factor(self) -> float:
+        return 1.0 / (self.ranks if SEEDED else self.micro_batches * self.ranks)
 
     def current(self) -> float:
         """The factor now (for a backward that reads it when it runs)."""
         return self.factor
 
+    @staticmethod
     @contextlib.contextmanager
-    def seeded(self) -> Iterator[None]:
-        """While a backward runs whose seed is divided by ``micro_batches`` already."""
-        self.factor = 1.0 / self.ranks
+    def seeded() -> Iterator[None]:
+        """While a backward runs whose seed is divided by ``micro_batches`` already (every
+        engine's factor then leaves it out: a loss over several engines has one seed)."""
+        global SEEDED
+        SEEDED += 1
         try:
             yield
         finally:
-            self.factor = 1.0 / (self.micro_batches * self.ranks)
+            SEEDED -= 1

@@ -36,6 +36,42 @@ if TYPE_CHECKING:
 __all__ = ["BoundModel"]
 
 
+def _attribute(self: torch.nn.Module, name: str) -> Any:
+    """A submodule, as a `_Submodule` view; a parameter or buffer read as an attribute is refused
+    (the module's own tensor is not what forward uses, and no gradient of it reaches the state)."""
+    modules = self.__dict__.get("_modules", {})
+    if name in modules:
+        return _Submodule(modules[name], f"{self.__dict__.get('_path', 'model')}.{name}")
+    if name in self.__dict__.get("_parameters", {}) or name in self.__dict__.get("_buffers", {}):
+        path = self.__dict__.get("_path", "model")
+        key = f"{path[len('model.'):]}.{name}" if path != "model" else name
+        raise AttributeError(
+            f"{path}.{name}: the bound model's parameters and buffers are the state's, not the module's "
+            f"attributes; use dict(model.named_parameters())[{key!r}] (or named_buffers())")
+    raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+
+class _Submodule(torch.nn.Module):
+    """A submodule of the bound model, for ``get_submodule`` and ``torch.func.functional_call``:
+    it shares the user's submodule's containers, hands out its own submodules as views, refuses
+    parameter and buffer reads (`_attribute`) and is not called on its own."""
+
+    def __init__(self, module: torch.nn.Module, path: str):
+        super().__init__()
+        for name in ("_modules", "_parameters", "_buffers"):
+            object.__setattr__(self, name, getattr(module, name))
+        object.__setattr__(self, "_path", path)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+
+    __getattr__ = _attribute
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"{self._path}(...): a submodule of the bound model runs only inside the bound model's "
+                           "call (its parameters are bound there); call the model itself")
+
+
 class BoundModel(torch.nn.Module):
     """The module as a function of its inputs, running on one state's tensors.
 
@@ -83,15 +119,21 @@ class BoundModel(torch.nn.Module):
     def __setattr__(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)  # never into the user's containers
 
-    def __getattr__(self, name: str) -> Any:
-        modules = self.__dict__.get("_modules", {})
-        if name in modules:
-            return modules[name]
-        if name in self.__dict__.get("_parameters", {}) or name in self.__dict__.get("_buffers", {}):
-            raise AttributeError(
-                f"model.{name}: the bound model's parameters and buffers are the state's, not the module's "
-                f"attributes; use dict(model.named_parameters())[{name!r}] (or named_buffers())")
-        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+    __getattr__ = _attribute
+
+    @property  # type: ignore[override]
+    def training(self) -> bool:
+        """The user's module's mode (``train()``/``eval()`` set it)."""
+        module = self.__dict__.get("state")
+        return True if module is None else self.state.binding.module.training
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        del mode  # (nn.Module.__init__ sets it; the mode is the user's module's)
+
+    def train(self, mode: bool = True) -> BoundModel:
+        self.state.binding.module.train(mode)
+        return self
 
     # -- a module's questions ------------------------------------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True,
@@ -174,6 +216,13 @@ class BoundModel(torch.nn.Module):
         the bound model), by the module's names."""
         given = {name: entries[attr] for (entries, attr, name), rest in zip(self.state.binding.entries, self.resting)
                  if entries.get(attr) is not rest}
+        binding = self.state.binding
+        in_units = sorted(n for n in given if binding.canonical.get(n, n) in binding.unit_params)
+        if in_units and self.state.stage < 3:
+            raise RuntimeError(
+                f"torch.func.functional_call over the bound model with Config.units (given {in_units[:3]}): a unit's "
+                "parameters are bound as its module runs, so parameters given from outside cannot take their place. "
+                "Leave those modules out of Config.units for functional_call with parameters of your own")
         if given and self.state.stage == 3 and _has_units(self.state):
             raise RuntimeError(
                 f"torch.func.functional_call over the bound model at ZeRO stage 3 (given {sorted(given)[:3]}...): "
@@ -206,7 +255,7 @@ class BoundModel(torch.nn.Module):
         state = self.state
         lay, cfg, binding = state.layout, state.cfg, state.binding
         if not in_backward():  # no backward runs here: forget any a raised error left counted
-            calls.BACKWARDS = 0
+            calls.reset()
         tensors = {**binding.unit_params, **state.frozen, **self.new_buffers}
         contexts: list[Any] = []
         if state.stage == 3:  # the root unit now; the others when their modules run

@@ -24,14 +24,30 @@ import torch
 from zfunc._tree import tree
 from zfunc.autograd.gather import graph_task
 
-__all__ = ["CALLS", "BACKWARDS", "current", "enter", "leave", "mark_outputs", "tensors_in"]
+__all__ = ["CALLS", "BACKWARDS", "ENTERED", "current", "enter", "leave", "reset", "nested", "mark_outputs",
+           "tensors_in"]
 
 # The forward call running now, and how many run (any thread).
 _CURRENT: contextvars.ContextVar[Any] = contextvars.ContextVar("zfunc_call", default=None)
 CALLS = 0
-# Backwards running through a zfunc call's outputs now. A backward that raises never lowers it;
-# each zfunc forward outside a backward resets it (`zfunc.autograd.bound.BoundModel.prepare`).
+# Backwards running through a zfunc call's outputs now, and their graph tasks. A backward that
+# raises never lowers them; each zfunc forward outside a backward resets them (`reset`).
 BACKWARDS = 0
+ENTERED: set[int] = set()
+
+
+def reset() -> None:
+    """Forget the backwards a raised error left counted (no backward runs now)."""
+    global BACKWARDS
+    BACKWARDS = 0
+    ENTERED.clear()
+
+
+def nested() -> bool:
+    """Whether the backward running now is one a backward through a call's outputs started inside
+    itself (reentrant activation checkpointing recomputes and differentiates a segment in a
+    graph task of its own): it belongs to that outer backward."""
+    return bool(ENTERED) and graph_task() not in ENTERED
 
 
 def current() -> Any:
@@ -56,14 +72,17 @@ def _entered(call: Any, grad_outputs: Any) -> None:
     """A backward reached the call's output: note it on the call, count it until it ends."""
     del grad_outputs
     global BACKWARDS
-    call.tasks.add(graph_task())
+    task = graph_task()
+    call.tasks.add(task)
+    ENTERED.add(task)
     BACKWARDS += 1
-    torch.autograd.Variable._execution_engine.queue_callback(_left)  # at the end of this backward
+    torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_left, task))  # at its end
 
 
-def _left() -> None:
+def _left(task: int) -> None:
     global BACKWARDS
     BACKWARDS -= 1
+    ENTERED.discard(task)
 
 
 def mark_outputs(out: Any, call: Any) -> None:

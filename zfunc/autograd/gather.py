@@ -136,7 +136,11 @@ class _UnitReducer:
         """Unit ``i``'s gradient is complete: reduce-scatter it; its shard is multiplied by
         ``factor`` (the data-parallel mean) once it is in."""
         st = self.state
-        wire = grad.to(st.cfg.reduce_dtype)  # only read by the reduce-scatter
+        dtype = st.cfg.reduce_dtype
+        if factor != 1.0 and dtype.itemsize < 4:  # a 16-bit sum: the mean first, as stages 0-2 take it
+            wire, factor = (grad * factor).to(dtype), 1.0
+        else:  # float32: the shard is scaled once it is in (a rank's part, not the unit)
+            wire = grad.to(dtype)  # only read by the reduce-scatter
         out, handle = comm.reduce_scatter_start(wire, "sum", st.mesh.shard)
         self.pending.append((i, out, handle, factor))
         gatherer = self.gatherer()

@@ -56,6 +56,8 @@ def copy_into(out: torch.Tensor, x: torch.Tensor, scale: float = 1.0) -> torch.T
         return out.copy_(x)
     if out.dtype == x.dtype:
         return torch.mul(x, scale, out=out)
+    if out.element_size() < x.element_size():  # narrowing: scaled in x's precision, rounded once
+        return out.copy_(x * scale)
     return out.copy_(x).mul_(scale)
 
 

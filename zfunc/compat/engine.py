@@ -32,6 +32,7 @@ import torch
 
 from zfunc.distributed import comm
 from zfunc.core.backward import bind, boundary_fold, loss_scaled, point_sinks, record_micro, sinks_into
+from zfunc.autograd import average, calls
 from zfunc.autograd.average import Average, ranks_averaged
 from zfunc.autograd.buckets import Fold
 from zfunc.autograd.gather import graph_task
@@ -93,7 +94,7 @@ class Engine(ConfigAccessors, torch.nn.Module):
         self._applied = False
         self._tasks: set[int] = set()  # the backwards that reached the model since the last step()
         self._losses: list[torch.Tensor] = []  # the losses engine.backward saw since then
-        self._scaled = False  # the next backward's seed carries the loss scale (engine.backward/scale)
+        self._scaled_tasks: set[int] = set()  # backwards through a loss engine.scale returned
         state = init(model, cfg, group, donate=cfg.stage == 3)
         if deepspeed_masters and cfg.master_dtype != cfg.compute_dtype:  # DeepSpeed: masters of the cast model
             state = state.replace(params=masters_from_compute(state))
@@ -135,15 +136,18 @@ class Engine(ConfigAccessors, torch.nn.Module):
         register_params(self)  # for zfunc.utils' accessors (DeepSpeed's deepspeed.utils)
 
     def _grad_arrived(self, _: torch.Tensor) -> None:
-        """A backward reached the state (once per sink): count it once, by its graph task; under
-        loss scaling, refuse one whose seed did not carry the scale (DeepSpeed's rule)."""
+        """A backward reached the state (once per sink): count it once, by its graph task (a
+        segment that reentrant checkpointing differentiates inside it is part of it); under loss
+        scaling, refuse one whose seed did not carry the scale (DeepSpeed's rule): neither an
+        engine's ``backward`` nor a loss from `scale`."""
         task = graph_task()
-        if task in self._tasks:
+        if task in self._tasks or calls.nested():
             return
         self._tasks.add(task)
-        scaled, self._scaled = self._scaled, False
+        scaled = average.SEEDED > 0 or task in self._scaled_tasks
+        self._scaled_tasks.discard(task)
         if self.config.loss_scale is not None and not scaled:
-            self._tasks.discard(task)
+            self._tasks, self._losses = set(), []
             self.zero_grad()
             raise RuntimeError(
                 "Loss scaling is required: this engine scales the loss (fp16 with a loss scale), and a plain "
@@ -213,12 +217,8 @@ class Engine(ConfigAccessors, torch.nn.Module):
         self._check_scalar(loss, "backward")
         ga = self.config.grad_accum
         seed = loss_scaled(self._state, torch.full_like(loss, 1.0 / ga if scale_wrt_gas else 1.0))
-        self._scaled = True
-        try:
-            with self._avg.seeded():  # the factor where gradients enter: 1 / world (the seed has the rest)
-                loss.backward(seed, retain_graph=retain_graph)
-        finally:
-            self._scaled = False
+        with Average.seeded():  # the factor where gradients enter: 1 / world (the seed has the rest)
+            loss.backward(seed, retain_graph=retain_graph)
         detached = loss.detach().reshape(()).float()
         self._losses.append(detached)
         return detached / ga if scale_wrt_gas else detached
@@ -228,8 +228,10 @@ class Engine(ConfigAccessors, torch.nn.Module):
         scaling), for ``engine.scale(loss).backward()`` under fp16; the ``1 / grad_accum`` is
         applied where the gradients enter, as for any plain backward."""
         self._check_scalar(loss, "scale")
-        self._scaled = True
-        return loss_scaled(self._state, loss)
+        scaled = loss_scaled(self._state, loss)
+        if scaled is not loss:  # a backward through it is scaled: noted as it passes
+            scaled.grad_fn.register_prehook(lambda grads: self._scaled_tasks.add(graph_task()))
+        return scaled
 
     @staticmethod
     def _check_scalar(loss: Any, what: str) -> None:
@@ -319,7 +321,7 @@ class Engine(ConfigAccessors, torch.nn.Module):
         backwards, losses = len(self._tasks), self._losses
         known = torch.stack(losses).sum() if len(losses) == backwards else None  # else a plain backward ran
         st = record_micro(self._state, self._state.grads, loss=known, fold=self._fold, micro_batches=backwards)
-        self._tasks, self._losses, self._fold = set(), [], None
+        self._tasks, self._losses, self._fold, self._scaled_tasks = set(), [], None, set()
         self._coalesced = False
         if boundary:
             # Each backward came in as 1 / grad_accum of a step: applied as it is, however many ran.

@@ -95,7 +95,7 @@ class GatheredParameters(contextlib.AbstractContextManager):
             params = [params]
         self.params = [p for p in params if p is not None] if enabled else []
         self.modifier_rank = modifier_rank
-        self._restore: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._restore: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (param, its data, its version)
 
     def __enter__(self) -> GatheredParameters:
         from zfunc.compat.utils import _full, owner_of
@@ -105,23 +105,40 @@ class GatheredParameters(contextlib.AbstractContextManager):
             st = engine.state
             if st.stage == 3:
                 full = _full(st, st.compute, name)
-                if full is None:  # frozen: replicated already
-                    full = st.frozen[name]
-                self._restore.append((p, p.data))
+                if full is None:  # frozen: replicated already (a copy: a write lands on exit, on every rank)
+                    full = st.frozen[name].clone()
+                data = p.data
                 p.data = full.to(p.dtype)
+                self._restore.append((p, data, p._version))
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        """On every path (an exception inside included, as DeepSpeed's): with ``modifier_rank``,
+        that rank's values are broadcast and written on every rank, trained, tied and frozen
+        parameters alike; without it, a write at stage 3 is refused (it would be dropped)."""
         from zfunc.compat.utils import owner_of, safe_set_full_fp32_param
         from zfunc.distributed import comm
 
         try:
-            if self.modifier_rank is not None and exc[0] is None:
+            if self.modifier_rank is not None:
                 for p in self.params:
-                    engine, _ = owner_of(p)
-                    value = comm.broadcast(p.data.detach(), self.modifier_rank, engine.state.group)
-                    safe_set_full_fp32_param(p, value)
+                    engine, name = owner_of(p)
+                    st = engine.state
+                    value = comm.broadcast(p.data.detach(), self.modifier_rank, st.group)
+                    if name in st.frozen:  # replicated in the state: every rank takes the modifier's
+                        with torch.no_grad():
+                            st.frozen[name].copy_(value.to(st.frozen[name].dtype))
+                    else:
+                        safe_set_full_fp32_param(p, value)
+            elif exc[0] is None:
+                written = [owner_of(p)[1] for p, _, version in self._restore if p._version != version]
+                if written:
+                    raise RuntimeError(
+                        f"GatheredParameters: {written[:3]} were written inside the block without modifier_rank; "
+                        "at ZeRO stage 3 such a write is dropped when the block ends. Pass modifier_rank=<the rank "
+                        "whose values to keep> (as DeepSpeed requires), or write with "
+                        "zfunc.utils.safe_set_full_fp32_param")
         finally:
-            for p, data in self._restore:
+            for p, data, _ in self._restore:
                 p.data = data
             self._restore = []

@@ -495,6 +495,8 @@ class _UnitParams(VmapAsIs, torch.autograd.Function):
         refuse_create_graph(torch.is_grad_enabled())  # the sink's .grad would be replaced, not added to
         factor = 1.0 if ctx.factor is None else ctx.factor()
         if ctx.scatter:  # the reduce-scatter only reads its input: no copy to protect the gradient
+            if factor != 1.0 and ctx.reduce_dtype.itemsize < 4:  # a 16-bit sum: the mean first
+                grad, factor = grad * factor, 1.0
             wire = grad if grad.dtype == ctx.reduce_dtype else widened(grad.reshape(-1), ctx.reduce_dtype)
             grad = reduce_scatter(wire, "sum", ctx.group)
             if factor != 1.0:
