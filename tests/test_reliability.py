@@ -499,3 +499,56 @@ def test_accumulate_names_the_missing_gradients():
         zfunc.accumulate(state, {"weight": torch.ones(2, 3)})
     assert state.micro_step.item() == 0
     assert zfunc.accumulate(state, {"weight": torch.ones(2, 3)}, strict=False).micro_step.item() == 1
+
+
+# -- GatheredParameters exits together, and its writes reach every rank -----------------------------
+
+def _gathered(rank: int, stage: int, case: str) -> object:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    model[1].requires_grad_(False)
+    engine, *_ = zfunc.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
+                                                       "zero_optimization": {"stage": stage}})
+    if case == "caught":  # rank 1 raises inside the block and catches it outside
+        try:
+            with zfunc.zero.GatheredParameters(model[0].weight, modifier_rank=0):
+                with torch.no_grad():
+                    model[0].weight.fill_(0.25 if rank == 0 else 7.0)
+                if rank == 1:
+                    raise ValueError("the user's")
+        except ValueError:
+            pass
+        return zfunc.full_params(engine.state)["0.weight"].flatten()[:2].tolist()
+    if case == "frozen":
+        with zfunc.zero.GatheredParameters([model[1].weight], modifier_rank=0):
+            with torch.no_grad():
+                model[1].weight.fill_(0.5 if rank == 0 else 9.0)
+        engine.backward(engine(torch.ones(1, 3)).sum())
+        engine.step()
+        return engine.state.frozen["1.weight"].flatten()[:2].tolist()
+    try:  # a write without modifier_rank
+        with zfunc.zero.GatheredParameters(model[0].weight):
+            with torch.no_grad():
+                model[0].weight.fill_(1.0)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_gathered_parameters_exits_on_every_rank_with_the_modifiers_values(stage):
+    t0 = time.monotonic()
+    for values in run_ranks(_gathered, 2, stage, "caught", timeout=60):
+        assert values == [0.25, 0.25]  # DeepSpeed's exit: broadcast whatever happened inside
+    for values in run_ranks(_gathered, 2, stage, "frozen", timeout=60):
+        assert values == [0.5, 0.5]  # a frozen parameter is the modifier's on every rank too
+    assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_write_without_modifier_rank_is_refused_at_stage_3(stage):
+    for said in run_ranks(_gathered, 2, stage, "nomod", timeout=60):
+        if stage == 3:
+            assert "without modifier_rank" in said and "dropped" in said, said
+        else:  # stages 0-2: the parameter is the rank's own compute view, written where it is (as DeepSpeed)
+            assert said == "no error"

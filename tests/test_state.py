@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+from torch import nn
 
 import zfunc
 from tests.helpers import (MODELS, between_steps, bitwise_equal as _bitwise_equal, run_ranks, snapshot as _snapshot,
@@ -272,3 +274,20 @@ def test_init_leaves_no_hook_once_its_states_are_gone():
             assert hooks(model) == 0, stage
     finally:
         gc.enable()
+
+
+def test_a_tensor_kept_from_a_donated_state_never_reads_the_next_one():
+    """Each way a user can keep one: a field, a leaf of zfunc.tree.leaves, full_params (stage 0)."""
+    for stage in (0, 2):
+        state = zfunc.init(nn.Linear(3, 2), zfunc.Config(stage=stage, optimizer=zfunc.adamw(lr=0.1)))
+        state, _ = zfunc.backward_step(state, lambda m, x: m(x).sum(), torch.ones(1, 3))
+        params, leaves, full = state.params, zfunc.tree.leaves(state), zfunc.full_params(state)
+        before = full["weight"].clone()
+        new = zfunc.apply_step(state, donate=True)
+        assert params.numel() == 0  # emptied: arithmetic with it fails on the shape
+        with pytest.raises(RuntimeError):
+            params + new.params
+        assert all(t.numel() == 0 for t in leaves if t.untyped_storage().data_ptr() ==
+                   new.params.untyped_storage().data_ptr())
+        assert torch.equal(full["weight"], before)  # full_params gives tensors of its own
+        assert not torch.equal(zfunc.full_params(new)["weight"], before)  # and the step did move

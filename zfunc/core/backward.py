@@ -259,7 +259,7 @@ def backward_step(state: TrainState, loss_fn: Callable[..., Any], batch: Any, *,
     loss = loss.detach().reshape(())
     new = record_micro(state, grads, loss=loss, buffers=model.new_buffers, fold=fold, forward=True)
     if donate:
-        donate_(state, "backward_step")
+        new = donate_(state, "backward_step", new, ("grads", "buffers"))
     return new, ((loss, aux) if has_aux else loss)
 
 
@@ -345,7 +345,7 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
         check_sinks(sinks, state, grads)
         new = record_micro(state, grads, loss=loss, buffers=model.new_buffers, fold=fold, forward=True)
         if donate:
-            donate_(state, "vjp")
+            new = donate_(state, "vjp", new, ("grads", "buffers"))
         if not argnums:
             return new
         return new, tuple(torch.zeros_like(a) if a.grad is None else _unscaled(state, a.grad) for a in wrt)
@@ -409,5 +409,5 @@ def accumulate(state: TrainState, grads: dict[str, torch.Tensor], *, loss: torch
         part.add_(g)
     new = record_micro(state, grads, loss=loss)
     if donate:
-        donate_(state, "accumulate")
+        new = donate_(state, "accumulate", new, ("grads",))
     return new

@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, NoReturn
 
+import torch
+
 if TYPE_CHECKING:
     from zfunc.core.state import TrainState
 
@@ -62,24 +64,50 @@ def _message(by: str, what: str) -> str:
             "state it returned; use that state, or call without donate=True to keep this one")
 
 
-def donate_(state: TrainState, by: str) -> None:
-    """Take the tensors out of ``state``, given away to ``by`` with ``donate=True``.
+def donate_(state: TrainState, by: str, new: TrainState | None = None,
+            written: tuple[str, ...] = ()) -> TrainState | None:
+    """Take the tensors out of ``state``, given away to ``by`` with ``donate=True``; returns
+    ``new`` (the state ``by`` made) holding tensors of its own.
+
+    A tensor the caller kept from ``state`` before (``prev = state.params``, a leaf of
+    `zfunc.tree.leaves`) must not silently read ``new``'s values: every tensor of the
+    ``written`` fields (those ``by`` updates in place) whose memory ``new`` reuses is emptied (it keeps its dtype and device and holds no elements,
+    so arithmetic with it fails on the shape), and ``new`` holds new tensor objects over that
+    memory. Nothing kept from a donated state aliases the next one.
 
     Examples:
         >>> import torch, zfunc
         >>> state = zfunc.init(torch.nn.Linear(2, 1), zfunc.Config())
+        >>> state = zfunc.accumulate(state, {}, strict=False)
+        >>> kept = state.params
         >>> later = zfunc.apply_step(state, donate=True)
         >>> try:
         ...     zfunc.apply_step(state)
         ... except RuntimeError as e:
         ...     print(str(e)[:48])
         apply_step: this state was donated to apply_step
-        >>> later.step.item(), state.stage
-        (1, 2)
+        >>> later.step.item(), state.stage, kept.numel()
+        (1, 2, 0)
     """
+    from zfunc._tree import tree
+
+    old = [t for name in written for t in tree.leaves(getattr(state, name)) if isinstance(t, torch.Tensor)]
+    if new is not None:
+        mine = {id(t) for t in old}
+        new = tree.map(lambda t: t.detach() if isinstance(t, torch.Tensor) and id(t) in mine else t, new)
+        reused = {_memory(t) for t in tree.leaves(new) if isinstance(t, torch.Tensor)}
+        for t in old:
+            if _memory(t) in reused:
+                t.data = torch.empty(0, dtype=t.dtype, device=t.device)
     for f in dataclasses.fields(state):
         if f.metadata.get("pytree_node", True):
             object.__setattr__(state, f.name, Donated(by, f.name))
+    return new
+
+
+def _memory(t: torch.Tensor) -> tuple[str, int]:
+    """Where ``t``'s elements live (a tensor of none lives nowhere another could share)."""
+    return str(t.device), t.untyped_storage().data_ptr() if t.numel() and t.device.type != "meta" else -id(t)
 
 
 def check_live(state: TrainState, what: str) -> None:

@@ -296,7 +296,7 @@ def apply_step(state: TrainState, *, donate: bool = False, micro_batches: int | 
                         micro_step=torch.zeros_like(state.micro_step), loss_sum=torch.zeros_like(state.loss_sum),
                         metrics=metrics, reduced=False, gathered=host_flag(gathered))
     if donate:
-        donate_(state, "apply_step")
+        new = donate_(state, "apply_step", new, ("params", "compute", "opt", "group_opts", "grads"))
     return new
 
 
