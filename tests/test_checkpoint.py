@@ -284,3 +284,18 @@ def test_elastic_restart_under_torchrun_resumes_bitwise(tmp_path):
             assert (out / "attempt-1").exists(), "rank 1 did not fail and restart"
     for a, b in zip(runs["straight"], runs["restarted"]):
         assert bitwise_equal(a, b)
+
+
+def test_a_missing_tag_lists_what_is_there(tmp_path):
+    engine, *_ = zfunc.initialize(model=torch.nn.Linear(2, 1), config={"train_micro_batch_size_per_gpu": 1})
+    engine.save_checkpoint(tmp_path, tag="a")
+    engine.save_checkpoint(tmp_path, tag="b")
+    with pytest.raises(zfunc.CheckpointError, match=r"/zz: no such checkpoint; .* holds \['a', 'b'\]$"):
+        engine.load_checkpoint(tmp_path, tag="zz")
+    (tmp_path / "latest").write_text("gone")
+    with pytest.raises(zfunc.CheckpointError, match=r"/gone: no such checkpoint"):
+        engine.load_checkpoint(tmp_path)
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "__0_0.distcp").write_bytes(b"")
+    with pytest.raises(zfunc.CheckpointError, match="a save to it was interrupted"):
+        engine.load_checkpoint(tmp_path, tag="half")

@@ -124,3 +124,47 @@ def test_convert_reads_a_deepspeed_checkpoint_one_parameter_at_a_time(tmp_path):
         assert all(torch.equal(got[n], ck.master[n]) for n in ck.master)
         state = zfunc.init(Small(), _config(3, 1), weights=f)  # and into a zfunc run of its own
         assert all(torch.equal(v, ck.master[n]) for n, v in zfunc.full_params(state).items())
+
+
+def _as_muon(monkeypatch) -> None:
+    """DeepSpeed's ZeRO-2 checkpoint as a Muon run leaves it: each group's optimizer state holds a
+    ``momentum_buffer``, no Adam moments (the fixture's files, read through a rename)."""
+    import zfunc.io.deepspeed_checkpoint as dsc
+
+    real = dsc._load
+
+    def load(path: str):
+        out = real(path)
+        if "optimizer_state_dict" in out:
+            state = out["optimizer_state_dict"]["base_optimizer_state"]["state"]
+            for g in list(state):
+                state[g] = {"momentum_buffer": state[g]["exp_avg"], "step": state[g]["step"]}
+        return out
+
+    monkeypatch.setattr(dsc, "_load", load)
+
+
+def test_a_deepspeed_muon_checkpoint_is_refused_by_name_and_its_weights_load(monkeypatch, tmp_path):
+    from tests.fixtures.deepspeed.make import Small
+
+    _as_muon(monkeypatch)
+    path = os.path.join(HERE, "zero2_fp32")
+    torch.manual_seed(0)
+    state = zfunc.init(Small(), zfunc.Config(stage=2))
+    with pytest.raises(zfunc.CheckpointError, match=r"holds \['momentum_buffer'\], not Adam's exp_avg and "
+                                                    r"exp_avg_sq .*load_module_only=True"):
+        zfunc.load(path, like=state)
+    weights = zfunc.load(path, like=state, weights_only=True)
+    expected = read_deepspeed(path).master
+    full = zfunc.full_params(weights)
+    assert all(torch.equal(full[n], expected[n]) for n in expected)
+    assert torch.equal(weights.opt.mu, state.opt.mu)  # the optimizer state stays the state's
+    engine, *_ = zfunc.initialize(model=Small(), config={"train_micro_batch_size_per_gpu": 4,
+                                                         "zero_optimization": {"stage": 2}})
+    assert engine.load_checkpoint(path, load_module_only=True)[0] is not None
+    with pytest.raises(zfunc.CheckpointError, match="momentum_buffer"):
+        engine.load_checkpoint(path)
+    from zfunc.io.convert import convert
+
+    out = convert(path, tmp_path / "m.safetensors")  # weights whatever the optimizer
+    assert out and all(os.path.exists(f) for f in out)

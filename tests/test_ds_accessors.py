@@ -130,3 +130,18 @@ def test_deepspeeds_moe_group_splitter_passes_dense_groups_through():
     model[2].weight.allreduce = False  # DeepSpeed's mark of an expert parameter
     with pytest.raises(zfunc.ConfigError, match=r"param_groups\[0\]: parameters \[0\] are experts'"):
         split({"params": model[2].parameters()})
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_value_of_the_wrong_shape_is_named_with_both_shapes(stage):
+    engine, *_ = zfunc.initialize(model=torch.nn.Linear(3, 3), config={
+        "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}})
+    w = engine.module.weight
+    before = engine.state.params.clone()
+    with pytest.raises(ValueError, match=r"safe_set_full_fp32_param for parameter 'weight': shape \[36\], but the "
+                                         r"parameter's full shape is \[3, 3\]"):
+        zfunc.utils.safe_set_full_fp32_param(w, torch.zeros(36))
+    with pytest.raises(ValueError, match=r"safe_set_full_optimizer_state\('exp_avg'\) for parameter 'weight': "
+                                         r"shape \[9\]"):
+        zfunc.utils.safe_set_full_optimizer_state(w, torch.zeros(9), "exp_avg")
+    assert torch.equal(engine.state.params, before)

@@ -448,7 +448,8 @@ class Engine(ConfigAccessors, torch.nn.Module):
         except CheckpointError as e:
             problem = str(e)
         agree(problem, self._state.group)  # a rank that cannot read it stops every rank, now
-        loaded, current = load(path, like=self._state), self._with_group_edits(self._state)
+        loaded = load(path, like=self._state, weights_only=load_module_only)
+        current = self._with_group_edits(self._state)
         if load_module_only:  # the weights alone: counters, optimizer and scaler stay the engine's
             loaded = loaded.replace(step=current.step, opt=current.opt, group_opts=current.group_opts,
                                     hyper=current.hyper, scaler=current.scaler)

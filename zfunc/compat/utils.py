@@ -100,12 +100,23 @@ def _local(state: Any, arena: torch.Tensor, name: str) -> torch.Tensor | None:
     return None if place is None else place.mine(arena).clone()
 
 
-def _write(state: Any, arena: torch.Tensor, name: str, value: torch.Tensor) -> None:
-    """Write the full ``value`` of parameter ``name`` into this rank's part of ``arena``."""
+def _write(state: Any, arena: torch.Tensor, name: str, value: torch.Tensor, what: str = "value") -> None:
+    """Write the full ``value`` of parameter ``name`` into this rank's part of ``arena``.
+
+    Raises:
+        ValueError: ``value`` is not shaped like the parameter (both shapes named)."""
     place = _where(state, name)
+    _check_shape(name, value, place.slot.shape, what)
     flat = value.detach().reshape(-1).to(arena.device, arena.dtype)
     if place.a < place.b:
         place.mine(arena).copy_(flat.narrow(0, place.a - place.slot.offset, place.b - place.a))
+
+
+def _check_shape(name: str, value: Any, shape: tuple[int, ...], what: str) -> None:
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape):
+        got = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"{what} for parameter {name!r}: shape {got}, but the parameter's full shape is "
+                         f"{list(shape)}; pass a tensor of that shape. Nothing was changed")
 
 
 def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
@@ -137,6 +148,7 @@ def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     st = engine.state
     if _where(st, name) is None:
         return
+    _check_shape(name, value, _where(st, name).slot.shape, "safe_set_full_fp32_param")
     _write(st, st.params, name, value)
     if st.stage in (1, 2):  # every rank holds the whole compute buffer (one unit): all of it
         slot = _where(st, name).slot
@@ -214,6 +226,7 @@ def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, opti
     engine, name = owner_of(param)
     if _where(engine.state, name) is not None:
         state = engine.state
+        _check_shape(name, value, _where(state, name).slot.shape, f"safe_set_full_optimizer_state({optim_state_key!r})")
         arena = _moment(state, optim_state_key, name)
         _write(state, arena, name, value)
         _store_moment(state, name, optim_state_key, arena)

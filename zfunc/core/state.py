@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zfunc._tree import dataclass, field
+from zfunc._tree import dataclass, field, tree
+from zfunc.core.donation import Donated
 
 if TYPE_CHECKING:
     from zfunc.autograd.binding import ModuleBinding
@@ -270,7 +271,28 @@ class TrainState:
     reduced: bool = field(pytree_node=False, default=False)
 
     def replace(self, **changes: Any) -> TrainState:
-        """A new state with ``changes``; the tensors not named are shared, not copied."""
+        """A new state with ``changes``; the tensors not named are shared, not copied.
+
+        Each tensor given must fit the field it replaces: the same structure, and for every
+        tensor the same shape (``grads``: any, it is full or a shard by the step's progress),
+        dtype and device.
+
+        Raises:
+            ValueError: a tensor that does not fit, naming the field, its place and both forms.
+
+        Examples:
+            >>> import torch, zfunc
+            >>> state = zfunc.init(torch.nn.Linear(3, 2), zfunc.Config())
+            >>> try:
+            ...     state.replace(params=torch.zeros(9))
+            ... except ValueError as e:
+            ...     print(e)
+            replace: params has shape [9], float32 on cpu; this state's layout needs [8], float32 on cpu
+        """
+        nodes = {f.name for f in dataclasses.fields(self) if f.metadata.get("pytree_node", True)}
+        for name, value in changes.items():
+            if name in nodes and not isinstance(getattr(self, name, None), Donated):
+                _check_fits(name, getattr(self, name), value)
         return dataclasses.replace(self, **changes)
 
     @property
@@ -296,3 +318,22 @@ class TrainState:
 def host_flag(value: bool) -> torch.Tensor:
     """A bool scalar on the host (`TrainState.gathered`): reading it never waits for a device."""
     return torch.tensor(value)
+
+
+def _check_fits(name: str, old: Any, new: Any) -> None:
+    """``new`` has ``old``'s structure, and each tensor its shape (``grads``: any), dtype, device."""
+    old_leaves, old_spec = tree.flatten(old)
+    new_leaves, new_spec = tree.flatten(new)
+    if old_spec != new_spec:
+        raise ValueError(f"replace: {name} is structured as {new_spec}; this state's is {old_spec}")
+    for i, (a, b) in enumerate(zip(old_leaves, new_leaves)):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            continue
+        if (name != "grads" and a.shape != b.shape) or a.dtype != b.dtype or a.device != b.device:
+            where = name if len(old_leaves) == 1 else f"{name} (leaf {i})"
+            raise ValueError(f"replace: {where} has shape {list(b.shape)}, {_form(b)}; this state's layout needs "
+                             f"{list(a.shape)}, {_form(a)}")
+
+
+def _form(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).replace('torch.', '')} on {t.device}"

@@ -334,13 +334,16 @@ def _check_fits(meta: dict[str, Any], like: TrainState, path: str) -> None:
                               f"configuration?): " + "; ".join(problems) + ". Nothing was loaded.")
 
 
-def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True) -> TrainState:
+def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True,
+         weights_only: bool = False) -> TrainState:
     """The state saved at ``path``, laid out like ``like`` (call on every rank).
 
     The world size and the ZeRO stage may differ from the saving run's. ``like`` is only read.
     With ``restore_rng`` and an equal world size, each rank's torch RNG is restored too. A
     DeepSpeed ZeRO checkpoint directory loads too (`zfunc.io.deepspeed_checkpoint`): its master
-    weights, Adam moments and step counts.
+    weights, Adam moments and step counts. With ``weights_only`` the weights alone (master,
+    compute copy, frozen parameters, buffers): the optimizer state, hyperparameters, loss scale
+    and counters stay ``like``'s, whatever optimizer saved the checkpoint.
 
     Raises:
         CheckpointError: incomplete directory, or a checkpoint of another model (missing or extra
@@ -359,7 +362,7 @@ def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True)
     """
     if not exists(path) and is_deepspeed_checkpoint(path):
         check_live(like, "load")
-        return load_deepspeed(path, like)
+        return load_deepspeed(path, like, weights_only=weights_only)
     lay, group = like.layout, like.group
     # What this rank finds wrong is agreed on before the next collective (`agree`): every rank
     # raises the same error, none waits for a rank that stopped.
@@ -425,8 +428,11 @@ def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True)
                 roles[role].narrow(0, 0, unit.padded).copy_(full)
     live = _scalars(like)
     scalars = {k[2:]: v.to(live[k].device) for k, v in scalars.items()}  # where the state keeps each
-    return _assemble(like, roles, scalars,
-                     {k[2:]: v.to(dev) for k, v in frozen.items()}, rng.get(rng_key))
+    loaded = _assemble(like, roles, scalars, {k[2:]: v.to(dev) for k, v in frozen.items()}, rng.get(rng_key))
+    if weights_only:
+        loaded = loaded.replace(step=like.step, opt=like.opt, group_opts=like.group_opts, hyper=like.hyper,
+                                scaler=like.scaler)
+    return loaded
 
 
 def _open(path: str | os.PathLike, like: TrainState) -> tuple[str, dict[str, Any], dict[str, Any]]:

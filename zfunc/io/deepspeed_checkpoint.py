@@ -80,7 +80,8 @@ def is_deepspeed_checkpoint(path: str | os.PathLike, tag: str | None = None) -> 
 
 class DeepSpeedCheckpoint:
     """A DeepSpeed checkpoint read in full: ``master`` and ``moments`` (``"exp_avg"``,
-    ``"exp_avg_sq"``) by parameter name (fp32, the model's shapes), ``frozen`` parameters and
+    ``"exp_avg_sq"``, where every group holds Adam's; empty for a Muon run, whose keys
+    ``optimizer_keys`` lists) by parameter name (fp32, the model's shapes), ``frozen`` parameters and
     ``buffers`` by name, ``step`` (optimizer updates applied), ``global_steps``, the saved
     ``world`` and ``stage``, each group's ``lr``, and ``client_state`` (what the engine's
     ``save_checkpoint`` was given, and the scheduler's state)."""
@@ -133,8 +134,9 @@ def read_deepspeed(path: str | os.PathLike, tag: str | None = None) -> DeepSpeed
     module = model["module"]
     buffers = {n: module[n].clone() for n in model.get("buffer_names", []) if n in module}
     extra = {k: v for k, v in model.items() if k not in _MODEL_KEYS}
+    held = sorted({k for s in inner["state"].values() for k in s if isinstance(s, dict)} - {"step"})
     return DeepSpeedCheckpoint(
-        master=flat["master"], moments={"exp_avg": flat["exp_avg"], "exp_avg_sq": flat["exp_avg_sq"]},
+        master=flat["master"], moments={k: v for k, v in flat.items() if k != "master"}, optimizer_keys=held,
         frozen=frozen, buffers=buffers, shared=dict(model.get("shared_params", {})),
         step=int(float(step)), global_steps=int(model.get("global_steps", 0)),
         global_samples=int(model.get("global_samples", 0)), world=world, stage=stage,
@@ -171,10 +173,16 @@ class _Lazy(Mapping):
         return len(self.where)
 
 
+def _moment_keys(states: list[dict]) -> list[str]:
+    """Adam's moments, where every group of every rank holds both (a Muon run holds others)."""
+    return [k for k in ("exp_avg", "exp_avg_sq") if states and all(k in s for s in states)]
+
+
 def _stage12(optims: list[dict], shapes: list[dict[str, Any]], where: str) -> dict[str, _Lazy]:
     """Each group's flat buffer, split evenly over the ranks in rank order (the last rank's part
     ends with the group's padding)."""
-    out: dict[str, dict[str, list]] = {"master": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    keys = _moment_keys([o["base_optimizer_state"]["state"].get(g, {}) for o in optims for g in range(len(shapes))])
+    out: dict[str, dict[str, list]] = {"master": {}, **{k: {} for k in keys}}
     named: dict[str, Any] = {}
     for g, group_shapes in enumerate(shapes):
         pads = [o.get("group_paddings", [0] * len(shapes))[g] for o in optims]
@@ -203,7 +211,8 @@ def _stage12(optims: list[dict], shapes: list[dict[str, Any]], where: str) -> di
 
 def _stage3(optims: list[dict], shapes: list[dict[str, Any]], world: int, where: str) -> dict[str, _Lazy]:
     """Each parameter split on its own, ``ceil(numel / world)`` per rank, back to back per group."""
-    out: dict[str, dict[str, list]] = {"master": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    keys = _moment_keys([o["optimizer_state_dict"]["state"].get(g, {}) for o in optims for g in range(len(shapes))])
+    out: dict[str, dict[str, list]] = {"master": {}, **{k: {} for k in keys}}
     named: dict[str, Any] = {}
     for g, group_shapes in enumerate(shapes):
         for role in out:
@@ -239,16 +248,20 @@ def _stage3_frozen(models: list[dict], shapes: dict[str, Any], world: int, where
     return out
 
 
-def load_deepspeed(path: str | os.PathLike, like: Any, tag: str | None = None) -> Any:
+def load_deepspeed(path: str | os.PathLike, like: Any, tag: str | None = None, *, weights_only: bool = False) -> Any:
     """The state a DeepSpeed checkpoint holds, laid out like ``like`` (any world size, stage and
     precision): its fp32 master weights, Adam moments (``exp_avg`` as ``mu``, ``exp_avg_sq`` as
     ``nu``) and update count, its step count, frozen parameters and buffers. The loss scaler,
     hyperparameters and metrics are ``like``'s (the config's). `zfunc.load` calls this for a
     DeepSpeed directory.
 
+    With ``weights_only`` the master weights, frozen parameters and buffers alone (the
+    optimizer state and counters stay ``like``'s), whatever optimizer DeepSpeed ran.
+
     Raises:
         CheckpointError: not a DeepSpeed checkpoint, a checkpoint of another model (names or
-            shapes), or ``like`` trains with another optimizer than Adam. Nothing is loaded.
+            shapes), ``like`` trains with another optimizer than Adam, or the checkpoint holds no
+            Adam moments (a Muon run). Nothing is loaded.
     """
     from zfunc.core import opt_state
     from zfunc.core.create import place_master
@@ -256,7 +269,13 @@ def load_deepspeed(path: str | os.PathLike, like: Any, tag: str | None = None) -
 
     ck = read_deepspeed(path, tag)
     lay, cfg = like.layout, like.cfg
-    if cfg.optimizer.moments != ("mu", "nu") or like.group_opts:
+    if not weights_only and set(ck.moments) != {"exp_avg", "exp_avg_sq"}:
+        raise CheckpointError(
+            f"{ck.where}: this DeepSpeed checkpoint's optimizer state holds {ck.optimizer_keys}, not Adam's exp_avg "
+            "and exp_avg_sq (a Muon run, or another optimizer); zfunc continues DeepSpeed runs trained with Adam or "
+            "AdamW. Its weights load alone: engine.load_checkpoint(..., load_module_only=True), "
+            "zfunc.load(..., weights_only=True), or python -m zfunc.convert DIR model.safetensors. Nothing was loaded")
+    if not weights_only and (cfg.optimizer.moments != ("mu", "nu") or like.group_opts):
         raise CheckpointError(f"{ck.where}: a DeepSpeed Adam checkpoint holds Adam moments; this state trains with "
                               f"{'+'.join(o.name for o in opt_state.optimizers(cfg))}. Use zfunc.adamw (or adam) "
                               "for every group to continue from it")
@@ -287,17 +306,22 @@ def load_deepspeed(path: str | os.PathLike, like: Any, tag: str | None = None) -
         return torch.cat(parts)
 
     master, compute = place_master(arena(ck.master, like.params.dtype, dev), cfg, lay, like.mesh)
+    held = {**ck.frozen, **ck.buffers}
+    replicated = dict(frozen={n: held[n].to(t.device, t.dtype) for n, t in like.frozen.items()},
+                      buffers={n: held[n].to(t.device, t.dtype) for n, t in like.buffers.items()})
+    if weights_only:
+        return like.replace(params=master, compute=compute, gathered=host_flag(True), reduced=False,
+                            grads=released_grads(accumulator_numel(cfg, lay), cfg.grad_accum_dtype, dev),
+                            micro_step=torch.zeros_like(like.micro_step), loss_sum=torch.zeros_like(like.loss_sum),
+                            **replicated)
     moments = {ours_: arena(ck.moments[theirs_], getattr(like.opt, ours_).dtype, getattr(like.opt, ours_).device)
                for ours_, theirs_ in (("mu", "exp_avg"), ("nu", "exp_avg_sq"))}
     if like.params.is_pinned():
         moments = {k: v.pin_memory() for k, v in moments.items()}
     count = torch.tensor(ck.step, dtype=like.opt.count.dtype, device=like.opt.count.device)
-    held = {**ck.frozen, **ck.buffers}
     return like.replace(
         params=master, compute=compute, gathered=host_flag(True), reduced=False,
         grads=released_grads(accumulator_numel(cfg, lay), cfg.grad_accum_dtype, dev),
         opt=cfg.optimizer.state_class(**moments, count=count),
         step=torch.tensor(ck.global_steps, dtype=like.step.dtype, device=like.step.device),
-        micro_step=torch.zeros_like(like.micro_step), loss_sum=torch.zeros_like(like.loss_sum),
-        frozen={n: held[n].to(t.device, t.dtype) for n, t in like.frozen.items()},
-        buffers={n: held[n].to(t.device, t.dtype) for n, t in like.buffers.items()})
+        micro_step=torch.zeros_like(like.micro_step), loss_sum=torch.zeros_like(like.loss_sum), **replicated)
