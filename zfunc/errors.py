@@ -65,12 +65,13 @@ class CheckpointError(Exception):
     loaded into. The message names the path or the piece; nothing was changed.
 
     Examples:
-        >>> import tempfile, zfunc
+        >>> import tempfile, torch, zfunc
+        >>> state = zfunc.init(torch.nn.Linear(2, 1), zfunc.Config())
         >>> try:
-        ...     zfunc.load(tempfile.mkdtemp(), like=None)
+        ...     zfunc.load(tempfile.mkdtemp(), like=state)
         ... except zfunc.CheckpointError as e:
-        ...     print(str(e).split(": ", 1)[1][:40])
-        not a complete zfunc checkpoint (no COMP
+        ...     print(str(e).split(": ", 1)[1])
+        not a complete zfunc checkpoint (no COMPLETE marker): it is an empty directory; load an earlier one
     """
 
 

@@ -143,7 +143,8 @@ def settle(state: Any) -> Any:
     Examples:
         >>> import torch, zfunc
         >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
-        >>> state = zfunc.apply_step(zfunc.init(model, zfunc.Config(stage=2, units=["0"])))
+        >>> state = zfunc.init(model, zfunc.Config(stage=2, units=["0"]))
+        >>> state = zfunc.apply_step(zfunc.accumulate(state, {}, strict=False))
         >>> bool(zfunc.settle(state).gathered)
         True
     """

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zfunc._tree import dataclass, field, tree
-from zfunc.core.donation import Donated
 
 if TYPE_CHECKING:
     from zfunc.autograd.binding import ModuleBinding
@@ -291,7 +290,7 @@ class TrainState:
         """
         nodes = {f.name for f in dataclasses.fields(self) if f.metadata.get("pytree_node", True)}
         for name, value in changes.items():
-            if name in nodes and not isinstance(getattr(self, name, None), Donated):
+            if name in nodes:
                 _check_fits(name, getattr(self, name), value)
         return dataclasses.replace(self, **changes)
 
@@ -323,6 +322,8 @@ def host_flag(value: bool) -> torch.Tensor:
 def _check_fits(name: str, old: Any, new: Any) -> None:
     """``new`` has ``old``'s structure, and each tensor its shape (``grads``: any), dtype, device."""
     old_leaves, old_spec = tree.flatten(old)
+    if not all(isinstance(t, torch.Tensor) for t in old_leaves):  # a donated field: refused elsewhere
+        return
     new_leaves, new_spec = tree.flatten(new)
     if old_spec != new_spec:
         raise ValueError(f"replace: {name} is structured as {new_spec}; this state's is {old_spec}")
