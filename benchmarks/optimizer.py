@@ -305,7 +305,7 @@ def muon_exchange(d: int, layers: int, world: int, stage: int) -> tuple[float, f
     units, names = units_of(model, cfg, trainable_params(model, cfg))
     lay = make_layout(units, world=world, rank=0, align=cfg.align, names=names)
     muon_runs = opt_state.runs(cfg, lay)[1]
-    received = (world - 1) * plan(lay, False, muon_runs).send * 4
+    received = (world - 1) * plan(lay, False, (1,), muon_runs).send * 4
     zero1 = 2 * (world - 1) / world * 4 * lay.full_numel  # reduce-scatter of grads + all-gather of params, fp32
     return received / lay.numel, zero1 / lay.numel
 

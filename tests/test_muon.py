@@ -196,7 +196,8 @@ def _exchange(rank: int, stage: int) -> tuple[int, int, int]:
     state = zfunc.init(make(), _config(stage, 1, "zoo"))
     runs = opt_state.runs(state.cfg, state.layout)
     muon_numel = sum(r.length for r in runs[1])
-    return exchanged_numel(state.layout, stage == 0, runs[1]), muon_numel, state.group_opts[0].momentum_buffer.numel()
+    return (exchanged_numel(state.layout, stage == 0, (1,), runs[1]), muon_numel,
+            state.group_opts[0].momentum_buffer.numel())
 
 
 def test_only_boundary_crossing_matrices_are_exchanged():

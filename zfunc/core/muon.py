@@ -8,9 +8,10 @@ the whole matrix. The step is three parts:
    matrix to orthogonalize, ``u``, for the pieces this rank owns;
 2. the pieces of the matrices that cross a shard boundary are exchanged in one all-gather over
    the shard group (each rank sends its pieces of those matrices only; matrices inside one
-   shard cost nothing); every rank that owns part of a matrix orthogonalizes it whole (a
-   crossing matrix is orthogonalized by each of its owners, as DeepSpeed does), and keeps its
-   own piece of the result, scaled by the matrix's lr factor;
+   shard cost nothing; every rank plans it from the optimizer's groups and joins it, whatever it
+   owns, sending zeros where it owns no piece); every rank that owns part of a matrix
+   orthogonalizes it whole (a crossing matrix is orthogonalized by each of its owners, as
+   DeepSpeed does), and keeps its own piece of the result, scaled by the matrix's lr factor;
 3. the update pass (`zfunc_kernels.fused_muon_apply`) applies it and writes the compute copy.
 
 Why not one owner per matrix: the other owners would need the result back (a second exchange),
@@ -64,10 +65,12 @@ def _packed(position: int, optimizer_runs: Sequence[Run]) -> int:
 
 
 @functools.lru_cache(maxsize=32)
-def plan(layout: Layout, full: bool, optimizer_runs: tuple[Run, ...]) -> Plan:
-    """Where each matrix of one Muon optimizer lies: on this rank and, for the crossing ones,
-    on every rank (``full``: stage 0, where every rank holds everything)."""
-    groups = {r.group for r in optimizer_runs}
+def plan(layout: Layout, full: bool, groups: tuple[int, ...], optimizer_runs: tuple[Run, ...]) -> Plan:
+    """Where each matrix of one Muon optimizer (parameter ``groups``) lies: on this rank and, for
+    the crossing ones, on every rank (``full``: stage 0, where every rank holds everything).
+
+    ``groups`` come from the config, never from ``optimizer_runs``: a rank that owns nothing of
+    the optimizer has no runs, yet plans (and joins) the same exchange as the others."""
     world = 1 if full else layout.world
     sent = [0] * world
     out = []
@@ -94,10 +97,11 @@ def plan(layout: Layout, full: bool, optimizer_runs: tuple[Run, ...]) -> Plan:
     return Plan(tuple(out), max(sent))
 
 
-def exchanged_numel(layout: Layout, full: bool, optimizer_runs: tuple[Run, ...]) -> int:
+def exchanged_numel(layout: Layout, full: bool, groups: tuple[int, ...],
+                    optimizer_runs: tuple[Run, ...]) -> int:
     """Elements one rank receives in a Muon step's exchange (``world * send``; 0 when no matrix
     crosses a shard boundary)."""
-    p = plan(layout, full, optimizer_runs)
+    p = plan(layout, full, groups, optimizer_runs)
     return 0 if p.send == 0 else p.send * (1 if full else layout.world)
 
 
@@ -128,15 +132,16 @@ def newton_schulz(x: torch.Tensor, coefficients: tuple[float, float, float], ste
     return y.T if tall else y
 
 
-def muon_step(opt, optimizer_runs: tuple[Run, ...], master: torch.Tensor, grad: torch.Tensor,
-              momentum_buffer: torch.Tensor, compute: torch.Tensor | None, lrs: torch.Tensor,
-              table: dict[str, list[float]], scalars: zfunc_kernels.StepScalars, layout: Layout, full: bool,
-              shard: comm.Group) -> None:
-    """One Muon step over this rank's runs of one Muon optimizer, in place (``master``,
-    ``momentum_buffer``, ``compute``). ``scalars``: the step's unscale, clip and skip (its
-    ``step`` is read, never advanced); ``lrs``/``table``: each group's lr and hyperparameters.
+def muon_step(opt, groups: tuple[int, ...], optimizer_runs: tuple[Run, ...], master: torch.Tensor,
+              grad: torch.Tensor, momentum_buffer: torch.Tensor, compute: torch.Tensor | None,
+              lrs: torch.Tensor, table: dict[str, list[float]], scalars: zfunc_kernels.StepScalars,
+              layout: Layout, full: bool, shard: comm.Group) -> None:
+    """One Muon step over this rank's runs of one Muon optimizer (parameter ``groups``), in place
+    (``master``, ``momentum_buffer``, ``compute``). ``scalars``: the step's unscale, clip and skip
+    (its ``step`` is read, never advanced); ``lrs``/``table``: each group's lr and hyperparameters.
 
-    Every rank of ``shard`` calls it (the exchange is a collective), skipped step or not.
+    Every rank of ``shard`` calls it (the exchange is a collective), skipped step or not, and
+    whether it owns part of the optimizer's matrices or none (no runs: it sends zeros).
     """
     n = momentum_buffer.numel()
     u = torch.zeros(n, dtype=torch.float32, device=master.device)
@@ -147,7 +152,7 @@ def muon_step(opt, optimizer_runs: tuple[Run, ...], master: torch.Tensor, grad: 
         hyper = zfunc_kernels.MuonMomentumHyper(table["momentum"][r.group], opt.nesterov)
         zfunc_kernels.fused_muon_momentum(u.narrow(0, r.at, r.length), r.part(grad),
                                           momentum_buffer.narrow(0, r.at, r.length), s, hyper)
-    p = plan(layout, full, optimizer_runs)
+    p = plan(layout, full, groups, optimizer_runs)
     gathered = None
     if p.send:
         me = 0 if full else layout.rank

@@ -256,15 +256,17 @@ def apply_step(state: TrainState, *, donate: bool = False, micro_batches: int | 
         k_lrs, (k_inv, k_clip, k_skip) = host[:lrs.numel()], host[lrs.numel():]
         compute_out = torch.empty(target.shape, dtype=target.dtype, pin_memory=pin)
     # Each optimizer: one fused pass per run of one parameter group (Muon: its three parts).
-    records = []
-    for opt, record, runs in zip(opt_state.optimizers(cfg), opt_state.records(state), opt_state.runs(cfg, lay)):
+    records, owner = [], opt_state.optimizer_of(cfg)
+    for k, (opt, record, runs) in enumerate(zip(opt_state.optimizers(cfg), opt_state.records(state),
+                                                opt_state.runs(cfg, lay))):
         moments = [getattr(record, n) if donate else _clone(getattr(record, n)) for n in opt.moments]
         table = {name: getattr(state.hyper, name).tolist() for name in opt.live}  # on the host: no sync
         scalars = zfunc_kernels.StepScalars(step=record.count, lr=k_lrs[0], inv_scale=k_inv, clip_coef=k_clip,
                                             found_inf=k_skip)
         if isinstance(opt, MuonConfig):
-            muon_step(opt, runs, master, grad, moments[0], compute_out, k_lrs, table, scalars, lay,
-                      state.stage == 0, state.mesh.shard)
+            groups = tuple(g for g, o in enumerate(owner) if o == k)  # every rank's, whatever it owns
+            muon_step(opt, groups, runs, master, grad, moments[0], compute_out, k_lrs, table, scalars,
+                      lay, state.stage == 0, state.mesh.shard)
         else:
             for r in runs:
                 opt.fused(r.part(master), r.part(grad), [m.narrow(0, r.at, r.length) for m in moments],
