@@ -552,3 +552,20 @@ def test_a_write_without_modifier_rank_is_refused_at_stage_3(stage):
             assert "without modifier_rank" in said and "dropped" in said, said
         else:  # stages 0-2: the parameter is the rank's own compute view, written where it is (as DeepSpeed)
             assert said == "no error"
+
+
+def _edited_lr_kept(rank: int, path: str) -> str:
+    engine, optimizer, *_ = zfunc.initialize(model=nn.Linear(3, 2), config={
+        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}})
+    engine.save_checkpoint(path, tag="t")
+    optimizer.param_groups[0]["lr"] = 0.1 * (rank + 1)  # a rank's own edit, kept by the next load
+    try:
+        engine.load_checkpoint(path, tag="t", load_optimizer_states=False)
+    except zfunc.ConfigError as e:
+        return str(e)
+    return "no error"
+
+
+def test_hyperparameters_that_differ_across_ranks_after_a_load_are_named(tmp_path):
+    for said in run_ranks(_edited_lr_kept, 2, str(tmp_path / "ckpt"), timeout=60):
+        assert said.startswith("param_groups[0].lr: differs across ranks after load_checkpoint (rank 0: 0.1, rank 1: 0.2"), said

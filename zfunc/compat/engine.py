@@ -456,6 +456,7 @@ class Engine(ConfigAccessors, torch.nn.Module):
         elif not load_optimizer_states:  # DeepSpeed keeps its skipped-step counter apart from the scaler
             loaded = loaded.replace(opt=current.opt, group_opts=current.group_opts, hyper=current.hyper,
                                     scaler=dataclasses.replace(current.scaler, skipped=loaded.scaler.skipped))
+        _check_hyper_everywhere(loaded)
         self.state = loaded
         self.optimizer.write_back()  # the loaded hyperparameters (e.g. a hand-set lr) in the groups
         if not load_module_only:
@@ -522,6 +523,23 @@ class Engine(ConfigAccessors, torch.nn.Module):
         self._destroyed = True
         self._state = None  # type: ignore[assignment]
         self._sinks = []
+
+
+def _check_hyper_everywhere(state: TrainState) -> None:
+    """Every rank continues with the same group hyperparameters (a rank's own edits of
+    ``optimizer.param_groups`` kept by ``load_optimizer_states=False`` could differ): one small
+    all-gather; a difference names the field, the group and each rank's value, on every rank."""
+    if state.group.size == 1:
+        return
+    mine = {f.name: getattr(state.hyper, f.name).tolist() for f in dataclasses.fields(state.hyper)}
+    seen = comm.all_gather_object(mine, state.group)
+    for name, values in mine.items():
+        for g in range(len(values)):
+            per_rank = [s[name][g] for s in seen]
+            if any(v != per_rank[0] for v in per_rank):
+                raise ConfigError(f"param_groups[{g}].{name}: differs across ranks after load_checkpoint "
+                                  f"({', '.join(f'rank {r}: {v}' for r, v in enumerate(per_rank))}); set the same "
+                                  "value on every rank (optimizer.param_groups) before loading")
 
 
 def _no_stage3_state_dict(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
