@@ -519,6 +519,16 @@ def _gathered(rank: int, stage: int, case: str) -> object:
         except ValueError:
             pass
         return zfunc.full_params(engine.state)["0.weight"].flatten()[:2].tolist()
+    if case == "tied":
+        torch.manual_seed(0)
+        tied = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+        tied[1].weight = tied[0].weight
+        engine, *_ = zfunc.initialize(model=tied, config={"train_micro_batch_size_per_gpu": 1,
+                                                          "zero_optimization": {"stage": stage}})
+        with zfunc.zero.GatheredParameters([tied[1].weight], modifier_rank=0):
+            with torch.no_grad():
+                tied[1].weight.fill_(0.5 if rank == 0 else 9.0)
+        return zfunc.full_params(engine.state)["0.weight"].flatten()[:2].tolist()
     if case == "frozen":
         with zfunc.zero.GatheredParameters([model[1].weight], modifier_rank=0):
             with torch.no_grad():
@@ -542,6 +552,8 @@ def test_gathered_parameters_exits_on_every_rank_with_the_modifiers_values(stage
         assert values == [0.25, 0.25]  # DeepSpeed's exit: broadcast whatever happened inside
     for values in run_ranks(_gathered, 2, stage, "frozen", timeout=60):
         assert values == [0.5, 0.5]  # a frozen parameter is the modifier's on every rank too
+    for values in run_ranks(_gathered, 2, stage, "tied", timeout=60):
+        assert values == [0.5, 0.5]  # so is a tied one, written through its second name
     assert time.monotonic() - t0 < 60
 
 

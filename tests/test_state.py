@@ -291,3 +291,20 @@ def test_a_tensor_kept_from_a_donated_state_never_reads_the_next_one():
                    new.params.untyped_storage().data_ptr())
         assert torch.equal(full["weight"], before)  # full_params gives tensors of its own
         assert not torch.equal(zfunc.full_params(new)["weight"], before)  # and the step did move
+
+
+def test_replace_checks_each_tensor_against_its_field():
+    from tests.test_binding import BNNet
+
+    state = zfunc.init(BNNet(), zfunc.Config(stage=1))
+    other = zfunc.init(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(11)), zfunc.Config(stage=1))
+    name = next(n for n in state.buffers if n.endswith("running_mean"))
+    wrong = {**state.buffers, name: other.buffers["1.running_mean"]}
+    with pytest.raises(ValueError, match=r"replace: buffers \(leaf \d+\) has shape \[11\], float32 on cpu; this "
+                                         r"state's layout needs \[\d+\]"):
+        state.replace(buffers=wrong)
+    with pytest.raises(ValueError, match=r"replace: params has shape"):
+        state.replace(params=torch.zeros(state.params.numel() + 4))
+    with pytest.raises(ValueError, match=r"replace: compute .* bfloat16"):
+        state.replace(compute=state.compute.bfloat16())
+    assert state.replace(params=state.params.clone()).params.shape == state.params.shape
