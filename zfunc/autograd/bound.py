@@ -124,8 +124,8 @@ class BoundModel(torch.nn.Module):
     @property  # type: ignore[override]
     def training(self) -> bool:
         """The user's module's mode (``train()``/``eval()`` set it)."""
-        module = self.__dict__.get("state")
-        return True if module is None else self.state.binding.module.training
+        state = self.__dict__.get("state")  # (absent while nn.Module.__init__ runs)
+        return True if state is None else state.binding.module.training
 
     @training.setter
     def training(self, mode: bool) -> None:
@@ -143,8 +143,8 @@ class BoundModel(torch.nn.Module):
         every call answers the same tensors), frozen ones as they are.
 
         Raises:
-            RuntimeError: at stage 3, where a parameter exists in full only while its unit's
-                module runs (use `zfunc.full_params`, or stage 0-2, for the whole model).
+            RuntimeError: at stage 3 with units, where a unit's parameters exist in full only
+                while its module runs (the message names the alternatives).
         """
         state = self.state
         if state.stage == 3 and _has_units(state):
