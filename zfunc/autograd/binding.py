@@ -323,14 +323,7 @@ class ModuleBinding:
         """Calls of the module itself run on the state ``bound()`` binds, as calls of the bound
         model do (the engine's ``engine.module``): same parameters, gradients into the state.
         Two hooks on the top module do it."""
-        modules = dict(self.module.named_modules(remove_duplicate=False))
-        canon = {id(t): n for n, t in [*self.module.named_parameters(), *self.module.named_buffers()]}
-        self._members = []
-        for kind, named in (("_parameters", self.module.named_parameters(remove_duplicate=False)),
-                            ("_buffers", self.module.named_buffers(remove_duplicate=False))):
-            for name, t in named:
-                parent, _, attr = name.rpartition(".")
-                self._members.append((modules[parent], kind, attr, canon[id(t)]))
+        self._members = [(entries, attr, self.canonical.get(name, name)) for entries, attr, name in self.entries]
         me = weakref.ref(self)
         self._handles.append(self.module.register_forward_pre_hook(
             lambda mod, args, kwargs: me()._route_in(bound, args, kwargs) if me() else None,
@@ -347,7 +340,7 @@ class ModuleBinding:
         tensors, args, kwargs, contexts = model.prepare(args, kwargs)
         # As functional_call does for the whole call (no public API can do it from hooks): the
         # module's entries become the state's tensors until `_route_out` puts them back.
-        members = [(getattr(owner, kind), attr, name) for owner, kind, attr, name in self._members if name in tensors]
+        members = [(entries, attr, name) for entries, attr, name in self._members if name in tensors]
         restore = (swap_in((entries, attr, tensors[name]) for entries, attr, name in members),
                    [name for _, _, name in members])
         stack = contextlib.ExitStack()

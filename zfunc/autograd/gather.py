@@ -133,8 +133,8 @@ class _UnitReducer:
         self.results: dict[int, torch.Tensor] = {}
 
     def start(self, i: int, grad: torch.Tensor, factor: float) -> None:
-        """Unit ``i``'s gradient is complete: reduce-scatter it; its shard is multiplied by
-        ``factor`` (the data-parallel mean) once it is in."""
+        """Unit ``i``'s gradient is complete: reduce-scatter it, times ``factor`` (the
+        data-parallel mean): on the shard once it is in, or before the sum when that is 16-bit."""
         st = self.state
         dtype = st.cfg.reduce_dtype
         if factor != 1.0 and dtype.itemsize < 4:  # a 16-bit sum: the mean first, as stages 0-2 take it
