@@ -209,7 +209,7 @@ def test_every_documented_form_of_initialize(form, tmp_path):
     engine, optimizer, none, scheduler = zfunc.initialize(model=model, **forms[form])
     assert none is None and optimizer is engine.optimizer
     before = zfunc.full_params(engine.state)
-    for k in range(engine.config.grad_accum):
+    for k in range(engine.cfg.grad_accum):
         x, y = _micro(0, k, 0)
         engine.backward(F.mse_loss(engine(x), y))
         engine.step()

@@ -401,7 +401,7 @@ def test_deepspeeds_own_adam_classes_map_to_zfuncs_adam(name, adam_w_mode):
     side_by_side(engine, ref, opt, 3)
     full = zfunc.full_params(engine.state)
     assert all(torch.allclose(full[n], p, atol=1e-6) for n, p in ref.named_parameters())
-    assert engine.config.optimizer.decoupled is adam_w_mode
+    assert engine.cfg.optimizer.decoupled is adam_w_mode
 
 
 def test_a_deepspeed_cpu_adam_with_fp32_states_conflicts_with_bf16_moments():
@@ -413,4 +413,4 @@ def test_a_deepspeed_cpu_adam_with_fp32_states_conflicts_with_bf16_moments():
         zfunc.initialize(model=model, optimizer=client, config=ds)
     client = _deepspeed_adam("DeepSpeedCPUAdam", amsgrad=False)(model.parameters(), fp32_optimizer_states=False)
     engine, *_ = zfunc.initialize(model=model, optimizer=client, config=ds)
-    assert engine.config.moment_dtype == torch.bfloat16
+    assert engine.cfg.moment_dtype == torch.bfloat16

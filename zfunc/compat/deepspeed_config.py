@@ -55,10 +55,28 @@ _SECTION_KEYS = {
 _ZERO_HARMLESS = {"contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "allgather_bucket_size",
                   "overlap_comm", "allgather_partitions", "round_robin_gradients", "sub_group_size",
                   "ignore_unused_parameters", "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
-                  "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
+                  "stage3_max_reuse_distance",
                   "stage3_model_persistence_threshold", "load_from_fp32_weights", "elastic_checkpoint",
                   "use_multi_rank_bucket_allreduce", "memory_efficient_linear",
                   "mics_hierarchical_params_gather"}
+# Read by the engine (``engine.zero_gather_16bit_weights_on_model_save()``); the fp16 name is the
+# older spelling DeepSpeed still reads as the 16-bit one.
+_ZERO_ENGINE = ("stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save")
+
+
+def gather_16bit_on_save(ds: Mapping[str, Any]) -> bool:
+    """DeepSpeed's ``stage3_gather_16bit_weights_on_model_save`` (or its older fp16 name), default false.
+
+    Examples:
+        >>> gather_16bit_on_save({"zero_optimization": {"stage3_gather_fp16_weights_on_model_save": True}})
+        True
+    """
+    zero = ds.get("zero_optimization") or {}
+    found = [zero[k] for k in _ZERO_ENGINE if k in zero]
+    for value in found:
+        if not isinstance(value, bool):
+            raise _err("zero_optimization.stage3_gather_16bit_weights_on_model_save", "true or false", value)
+    return any(found)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +212,7 @@ def _refuse_unknown(ds: Mapping[str, Any]) -> None:
         raise _err("gradient_predivide_factor", "a number > 0", ds["gradient_predivide_factor"])
     zero = _section(ds, "zero_optimization")
     for key in zero:
-        if key not in _ZERO_HANDLED | _ZERO_HARMLESS | {"offload_optimizer", "offload_param", "cpu_offload"}:
+        if key not in _ZERO_HANDLED | _ZERO_HARMLESS | {*_ZERO_ENGINE, "offload_optimizer", "offload_param", "cpu_offload"}:
             raise ConfigError(f"zero_optimization.{key}: zfunc does not implement this key (or it is misspelt); "
                               "remove it")
     for name, keys in _SECTION_KEYS.items():
@@ -306,6 +324,10 @@ def _bool(v: Any, path: str) -> bool:
     if not isinstance(v, bool):
         raise _err(path, "true or false", v)
     return v
+
+
+# The config ``scheduler.type`` values zfunc reads (DeepSpeed's ``VALID_LR_SCHEDULES``).
+SCHEDULER_TYPES = ("LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 
 
 def _scheduler(ds: Mapping[str, Any], lr: float) -> Any:

@@ -41,7 +41,7 @@ from zfunc.io.deepspeed_checkpoint import is_deepspeed_checkpoint, read_deepspee
 from zfunc.core.config import Config
 from zfunc.compat.engine_config import ConfigAccessors
 from zfunc.core.create import full_params, init, masters_from_compute
-from zfunc.compat.deepspeed_config import BatchSizes
+from zfunc.compat.deepspeed_config import BatchSizes, gather_16bit_on_save
 from zfunc.errors import CheckpointError, ConfigError, DeepSpeedAssertion
 from zfunc.autograd.forward_gather import settle
 from zfunc.compat.utils import register as register_params
@@ -76,8 +76,12 @@ class Engine(ConfigAccessors, torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, cfg: Config, *, group: comm.Group | None = None,
                  batch: BatchSizes | None = None, optimizer_groups: list[dict[str, Any]] | None = None,
-                 lr_scheduler: Any = None, managed: bool = True, deepspeed_masters: bool = False):
+                 lr_scheduler: Any = None, managed: bool = True, deepspeed_masters: bool = False,
+                 ds_config: dict[str, Any] | None = None):
         super().__init__()
+        # engine.config: DeepSpeed's config dict, as DeepSpeed's engine keeps it (libraries built
+        # on DeepSpeed read it); engine.cfg: the zfunc.Config the engine runs.
+        self.config: dict[str, Any] | Config = ds_config if ds_config is not None else cfg
         # DeepSpeed's managed_gradient_accumulation: false makes every step() the boundary, after
         # however many backwards the caller ran (the caller owns the boundary).
         self.managed = managed
@@ -85,7 +89,7 @@ class Engine(ConfigAccessors, torch.nn.Module):
         self._coalescing = False  # inside coalesce_grad_reduction()
         self._coalesced = False  # the next step() ends a coalesced block
         self.module = model
-        self.config = cfg
+        self.cfg = cfg
         self.micro_steps = 0
         self.global_samples = 0
         self.sparse_tensor_module_names: set[str] = set()  # DeepSpeed's; sparse_gradients is refused: none
@@ -146,7 +150,7 @@ class Engine(ConfigAccessors, torch.nn.Module):
         self._tasks.add(task)
         scaled = average.SEEDED > 0 or task in self._scaled_tasks
         self._scaled_tasks.discard(task)
-        if self.config.loss_scale is not None and not scaled:
+        if self.cfg.loss_scale is not None and not scaled:
             self._tasks, self._losses = set(), []
             self.zero_grad()
             raise RuntimeError(
@@ -215,7 +219,7 @@ class Engine(ConfigAccessors, torch.nn.Module):
         ``engine.backward``; ``scale_wrt_gas=False`` leaves the ``1 / grad_accum`` out); returns
         the loss divided by ``grad_accum`` (or as it is)."""
         self._check_scalar(loss, "backward")
-        ga = self.config.grad_accum
+        ga = self.cfg.grad_accum
         seed = loss_scaled(self._state, torch.full_like(loss, 1.0 / ga if scale_wrt_gas else 1.0))
         with Average.seeded():  # the factor where gradients enter: 1 / world (the seed has the rest)
             loss.backward(seed, retain_graph=retain_graph)
@@ -251,7 +255,7 @@ class Engine(ConfigAccessors, torch.nn.Module):
             return True
         if self._boundary is not None:
             return self._boundary
-        return (self.micro_steps + 1) % self.config.grad_accum == 0
+        return (self.micro_steps + 1) % self.cfg.grad_accum == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Override the boundary from now on (sticky, as in DeepSpeed)."""
@@ -298,7 +302,7 @@ class Engine(ConfigAccessors, torch.nn.Module):
         """End a micro-step; at the accumulation boundary apply the optimizer step."""
         if self._coalescing:
             raise RuntimeError("engine.step(): inside coalesce_grad_reduction(); call step() after the block")
-        if lr_kwargs and self.config.lr_schedule is not None:
+        if lr_kwargs and self.cfg.lr_schedule is not None:
             raise ConfigError(f"engine.step(lr_kwargs={lr_kwargs!r}): the config's scheduler follows the "
                               "applied-step count in the state and takes no arguments")
         if not self._tasks:
@@ -327,18 +331,18 @@ class Engine(ConfigAccessors, torch.nn.Module):
             # Each backward came in as 1 / grad_accum of a step: applied as it is, however many ran.
             # Gathered before step() returns (as DeepSpeed's): the module's parameters are views
             # of the compute buffer, readable by the user at any moment (no forward to gather them).
-            st = settle(apply_step(self._with_group_edits(st), donate=True, micro_batches=self.config.grad_accum))
+            st = settle(apply_step(self._with_group_edits(st), donate=True, micro_batches=self.cfg.grad_accum))
             point_sinks(self._sinks, st, st.grads)  # released: the step's gradient buffer is freed
             if self._batch and self.managed:
                 self.global_samples += self._batch.train_batch_size
             elif self._batch:  # the micro-batches actually run since the last step
-                self.global_samples += self._batch.train_batch_size // self.config.grad_accum * backwards
+                self.global_samples += self._batch.train_batch_size // self.cfg.grad_accum * backwards
         self._state = st  # the same parameter buffers: the module's views stay valid
         if boundary:
             self._share_module_params()  # the buffers may be new tensors (rank 0's)
         self._applied = boundary
         self.micro_steps += 1
-        if boundary and self.config.lr_schedule is not None:
+        if boundary and self.cfg.lr_schedule is not None:
             self.optimizer.write_back()  # show the schedule's next learning rates, as DeepSpeed does
         elif boundary and self.lr_scheduler is not None and self.was_step_applied():
             # As DeepSpeed: a torch scheduler advances after each applied step (not a skipped one).
@@ -375,7 +379,7 @@ class Engine(ConfigAccessors, torch.nn.Module):
 
     def get_lr(self) -> list[float]:
         """The learning rate each group of ``optimizer.param_groups`` uses at the next applied step."""
-        if self.config.lr_schedule is None:
+        if self.cfg.lr_schedule is None:
             return [float(d["lr"]) for d in self.optimizer.param_groups]
         lrs = learning_rates(self._state).tolist()
         return [lrs[g] for g in self.optimizer.index]
@@ -476,7 +480,7 @@ class Engine(ConfigAccessors, torch.nn.Module):
         if custom_load_fn is not None:
             raise ValueError("load_checkpoint(custom_load_fn=...): not supported; load with "
                              "zfunc.load(path, like=engine.state), change the state, and assign engine.state")
-        if (self.config.lr_schedule is not None and not module_only
+        if (self.cfg.lr_schedule is not None and not module_only
                 and bool(optimizer_states) != bool(scheduler_states)):
             raise ValueError(
                 f"load_checkpoint(load_optimizer_states={optimizer_states}, load_lr_scheduler_states="
@@ -491,15 +495,41 @@ class Engine(ConfigAccessors, torch.nn.Module):
 
     def module_state_dict(self) -> dict[str, torch.Tensor]:
         """The trained model's full state dict (parameters in the compute dtype, buffers), under
-        the module's own keys, at every stage; gathers at stages 1-3 (call it on every rank)."""
+        the module's own keys, at every stage; gathers at stages 1-3 (call it on every rank). A
+        tied weight is one tensor under each of its names, as the module's own state dict has it."""
         st = self._state
         full = {n: t.to(st.cfg.compute_dtype) for n, t in full_params(st).items()}
         by_id = {id(p): n for n, p in self.module.named_parameters()}
         values = {**full, **st.frozen, **st.buffers}
-        out = {}
+        out, copies = {}, {}
         for name, t in [*self.module.named_parameters(remove_duplicate=False), *self.module.named_buffers()]:
-            out[name] = values[by_id.get(id(t), name)].detach().clone()
+            source = by_id.get(id(t), name)
+            if source not in copies:
+                copies[source] = values[source].detach().clone()
+            out[name] = copies[source]
         return out
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """DeepSpeed's: whether the config asks stage 3 to gather 16-bit weights when the model is
+        saved (``zero_optimization.stage3_gather_16bit_weights_on_model_save``)."""
+        return isinstance(self.config, dict) and gather_16bit_on_save(self.config)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
+                                             ) -> dict[str, torch.Tensor] | None:
+        """DeepSpeed's, which Hugging Face and Accelerate call to save a stage-3 model: the full
+        weights in the compute dtype on rank 0 (``None`` on the others), a tied weight one tensor
+        under each of its names, persistent buffers, trainable parameters only when
+        ``exclude_frozen_parameters``. A collective: call it on every rank."""
+        if self.cfg.stage != 3:
+            raise ValueError("this function requires ZeRO-3 mode")
+        sd = self.module_state_dict()
+        keep = {n for n, _ in self.module.named_parameters(remove_duplicate=False)}
+        keep |= {n for n, _ in _persistent_buffers(self.module)}
+        if exclude_frozen_parameters:
+            keep -= {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        if self._state.group.rank != 0:
+            return None
+        return {n: t for n, t in sd.items() if n in keep}
 
     def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin") -> bool:
         """DeepSpeed's ``save_16bit_model``: `module_state_dict` written by rank 0 with ``torch.save``
@@ -523,6 +553,14 @@ class Engine(ConfigAccessors, torch.nn.Module):
         self._destroyed = True
         self._state = None  # type: ignore[assignment]
         self._sinks = []
+
+
+def _persistent_buffers(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, buffer)`` for the buffers a module's state dict holds (not the non-persistent ones)."""
+    for prefix, m in module.named_modules():
+        for name, buf in m.named_buffers(recurse=False):
+            if buf is not None and name not in m._non_persistent_buffers_set:
+                yield (f"{prefix}.{name}" if prefix else name), buf
 
 
 def _check_hyper_everywhere(state: TrainState) -> None:

@@ -1,5 +1,5 @@
 """DeepSpeed's read-only engine accessors: what the run is configured as (`Engine` inherits
-them). Each answers from `Engine.config` (the `zfunc.Config`) and the batch sizes the DeepSpeed
+them). Each answers from `Engine.cfg` (the `zfunc.Config`) and the batch sizes the DeepSpeed
 config gave; see ``docs/deepspeed.md`` for the accessors zfunc does not have."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class ConfigAccessors:
         ((4, 4, 1), True, [(0.9, 0.999)])
     """
 
-    config: Config
+    cfg: Config
     _batch: BatchSizes | None
     _state: TrainState
     managed: bool
@@ -47,73 +47,73 @@ class ConfigAccessors:
         return self._batch.micro_batch_size if self._batch else None
 
     def gradient_accumulation_steps(self) -> int:
-        return self.config.grad_accum
+        return self.cfg.grad_accum
 
     def get_batch_info(self) -> tuple[int | None, int | None, int]:
         """``(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)``."""
         return self.train_batch_size(), self.train_micro_batch_size_per_gpu(), self.gradient_accumulation_steps()
 
     def zero_optimization(self) -> bool:
-        return self.config.stage > 0
+        return self.cfg.stage > 0
 
     def zero_optimization_stage(self) -> int:
-        return self.config.stage
+        return self.cfg.stage
 
     def zero_optimization_partition_gradients(self) -> bool:
-        return self.config.stage >= 2
+        return self.cfg.stage >= 2
 
     def zero_optimization_partition_weights(self) -> bool:
-        return self.config.stage == 3
+        return self.cfg.stage == 3
 
     def zero_param_persistence_threshold(self) -> int:
-        return self.config.persist_threshold
+        return self.cfg.persist_threshold
 
     def zero_offload_optimizer(self) -> bool:
-        return self.config.offload_optimizer is not None
+        return self.cfg.offload_optimizer is not None
 
     zero_cpu_offload = zero_offload_optimizer
 
     def fp16_enabled(self) -> bool:
-        return self.config.precision == "fp16"
+        return self.cfg.precision == "fp16"
 
     def bfloat16_enabled(self) -> bool:
-        return self.config.precision == "bf16"
+        return self.cfg.precision == "bf16"
 
     def fp16_master_weights_and_gradients(self) -> bool:
-        return self.config.precision == "fp16" and self.config.master_dtype == torch.float16
+        return self.cfg.precision == "fp16" and self.cfg.master_dtype == torch.float16
 
     def bf16_master_weights_and_gradients(self) -> bool:
-        return self.config.precision == "bf16" and self.config.master_dtype == torch.bfloat16
+        return self.cfg.precision == "bf16" and self.cfg.master_dtype == torch.bfloat16
 
     def bf16_optimizer_states(self) -> bool:
-        return self.config.moment_dtype == torch.bfloat16
+        return self.cfg.moment_dtype == torch.bfloat16
 
     def torch_autocast_enabled(self) -> bool:
-        return self.config.autocast is not None
+        return self.cfg.autocast is not None
 
     def torch_autocast_dtype(self) -> torch.dtype | None:
-        return self.config.autocast
+        return self.cfg.autocast
 
     def dynamic_loss_scale(self) -> bool:
-        return isinstance(self.config.loss_scale, DynamicLossScale)
+        return isinstance(self.cfg.loss_scale, DynamicLossScale)
 
     @property
     def communication_data_type(self) -> torch.dtype:
-        return self.config.reduce_dtype
+        return self.cfg.reduce_dtype
 
     def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
         """``(model dtype, gradient accumulation dtype)``, as DeepSpeed's."""
-        return self.config.compute_dtype, self.config.grad_accum_dtype
+        return self.cfg.compute_dtype, self.cfg.grad_accum_dtype
 
     def gradient_clipping(self) -> float:
-        return self.config.clip_value
+        return self.cfg.clip_value
 
     def managed_gradient_accumulation(self) -> bool:
         return self.managed
 
     def optimizer_name(self) -> str:
         """The optimizers' names, ``+``-joined when parameter groups bring their own."""
-        names = [o.name + ("w" if getattr(o, "decoupled", False) else "") for o in optimizers(self.config)]
+        names = [o.name + ("w" if getattr(o, "decoupled", False) else "") for o in optimizers(self.cfg)]
         return "+".join(names)
 
     def get_mom(self) -> list[Any]:

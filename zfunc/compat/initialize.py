@@ -49,20 +49,20 @@ def initialize(model: torch.nn.Module, config: Mapping[str, Any] | str | os.Path
         >>> import torch, zfunc
         >>> engine, optimizer, _, scheduler = zfunc.initialize(
         ...     model=torch.nn.Linear(3, 1), config={"train_micro_batch_size_per_gpu": 2})
-        >>> engine.config.stage, optimizer.param_groups[0]["lr"], scheduler
-        (0, 0.001, None)
+        >>> engine.cfg.stage, engine.config["train_micro_batch_size_per_gpu"], scheduler
+        (0, 2, None)
     """
     config = kwargs.pop("config_params", config)
     if kwargs:
         raise TypeError(f"initialize: unexpected arguments {sorted(kwargs)}")
     group = group or comm.world()
-    batch, managed, engine_scheduler = None, True, None
+    batch, managed, engine_scheduler, ds = None, True, None, None
     if isinstance(config, Config):
         cfg = config
     else:
         ds = read_config(config or {"train_micro_batch_size_per_gpu": 1})
-        ds, engine_scheduler = _engine_scheduler(ds, lr_scheduler)
-        fields, batch = translate(ds, world_size=group.size)
+        run, engine_scheduler = _engine_scheduler(ds, lr_scheduler)
+        fields, batch = translate(run, world_size=group.size)
         cfg = Config(**fields)
         managed = ds.get("managed_gradient_accumulation", True)  # an engine setting (checked by translate)
     several = isinstance(optimizer, (list, tuple)) and all(isinstance(o, torch.optim.Optimizer) for o in optimizer)
@@ -92,7 +92,7 @@ def initialize(model: torch.nn.Module, config: Mapping[str, Any] | str | os.Path
             **params)
         lr_scheduler = functools.partial(cls, **params)
     engine = Engine(model, cfg, group=group, batch=batch, optimizer_groups=plan.dicts, lr_scheduler=lr_scheduler,
-                    managed=managed, deepspeed_masters=not isinstance(config, Config))
+                    managed=managed, deepspeed_masters=not isinstance(config, Config), ds_config=ds)
     return engine, engine.optimizer, None, engine.lr_scheduler
 
 

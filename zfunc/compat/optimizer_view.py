@@ -257,7 +257,7 @@ class OptimizerView(torch.optim.Optimizer):
         from zfunc.core.update import learning_rates
 
         h = self._engine.state.hyper
-        scheduled = self._engine.config.lr_schedule is not None
+        scheduled = self._engine.cfg.lr_schedule is not None
         lrs = learning_rates(self._engine.state).tolist() if scheduled else h.lr.tolist()
         for d, g in zip(self.param_groups, self.index):
             d.update(_torch_values({n: getattr(h, n)[g].item() for n in self._optimizer(g).live}), lr=lrs[g])
@@ -269,7 +269,7 @@ class OptimizerView(torch.optim.Optimizer):
         for k, (d, g) in enumerate(zip(self.param_groups, self.index)):
             have = _torch_values({n: getattr(h, n)[g].item() for n in self._optimizer(g).live})
             now = {key: (tuple(d[key]) if key == "betas" else d[key]) for key in have}
-            if self._engine.config.lr_schedule is not None:
+            if self._engine.cfg.lr_schedule is not None:
                 if d["lr"] != self._written[k]:
                     raise ConfigError(f"optimizer.param_groups[{k}]['lr']: the config's scheduler sets the learning "
                                       "rate; remove the 'scheduler' section to set it by hand")
@@ -281,7 +281,7 @@ class OptimizerView(torch.optim.Optimizer):
 
     def _optimizer(self, group: int) -> Any:
         """The zfunc optimizer stepping ``group``."""
-        cfg = self._engine.config
+        cfg = self._engine.cfg
         return opt_state.optimizers(cfg)[opt_state.optimizer_of(cfg)[group]]
 
     def step(self, closure: Any = None) -> None:  # noqa: D102 - see the class docstring

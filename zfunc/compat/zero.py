@@ -15,7 +15,7 @@ import torch
 
 from zfunc.errors import ConfigError
 
-__all__ = ["Init", "GatheredParameters"]
+__all__ = ["Init", "GatheredParameters", "register_external_parameter"]
 
 # DeepSpeed's keywords that zfunc takes as they are (their values change nothing here), with the
 # values it can honour; anything else is refused by name.
@@ -142,3 +142,25 @@ class GatheredParameters(contextlib.AbstractContextManager):
             for p, data, _ in self._restore:
                 p.data = data
             self._restore = []
+
+
+def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    """DeepSpeed's way of telling stage 3 that ``module``'s forward reads ``parameter``, which
+    another module owns. zfunc gathers a stage-3 unit's parameters for that unit's own modules
+    only, and has no way to add another unit's parameter to them: this is refused.
+
+    Raises:
+        ConfigError: always, naming what to do instead.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> m = torch.nn.Linear(2, 2)
+        >>> zfunc.zero.register_external_parameter(m, m.weight)
+        Traceback (most recent call last):
+        ...
+        zfunc.errors.ConfigError: zero.register_external_parameter: ...
+    """
+    raise ConfigError(
+        f"zero.register_external_parameter: zfunc cannot gather a parameter ({tuple(parameter.shape)}) for "
+        f"{type(module).__name__}, which does not own it, at ZeRO stage 3; train this model at stage 2, or at "
+        "stage 3 with Config(units=...) naming a unit that holds both the module and the parameter's owner")

@@ -1,0 +1,197 @@
+"""One Hugging Face ``Trainer`` script, run unchanged on DeepSpeed 0.19.8 and on zfunc.
+
+Each rank of a ``torchrun`` world runs the cases named on the command line in turn and rank 0
+writes, per case, what a user reads: the per-step ``loss``, ``grad_norm`` and ``learning_rate``
+Trainer logs, and the weights ``trainer.save_model`` wrote (by name).
+
+    # DeepSpeed (its venv, see DEVELOPERS.md): the reference numbers
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv-ds/bin/torchrun --nproc-per-node 2 \\
+        tests/hf/trainer_run.py --reference --out tests/fixtures/hf z1_fp32_gas2 ...
+    # zfunc: the same script, through the switch
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m zfunc.as_deepspeed \\
+        tests/hf/trainer_run.py --out /tmp/zf z1_fp32_gas2 ...
+
+A case name is ``z<stage>_<fp32|bf16>_gas<n>[_sgd][_resume]``: ``_sgd`` trains with Trainer's own
+optimizer (``torch.optim.SGD``, no clipping, no DeepSpeed ``optimizer`` block); ``_resume`` stops
+at half the steps with a ``save_steps`` checkpoint and resumes from it in a fresh Trainer.
+
+``--reference`` applies the one accommodation DeepSpeed needs on a CPU machine under Accelerate
+1.15 (with DeepSpeed on and no GPU, ``PartialState`` finds no backend and sets one process): it
+gives such a run gloo, as ``zfunc.as_deepspeed`` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+
+import torch
+
+STEPS, MICRO, SEQ, VOCAB = 4, 4, 16, 64
+
+
+def parse_case(name: str) -> dict:
+    m = re.fullmatch(r"z([123])_(fp32|bf16)_gas(\d)((?:_sgd|_resume)*)", name)
+    if m is None:
+        raise SystemExit(f"bad case name {name!r}")
+    return {"stage": int(m[1]), "precision": m[2], "gas": int(m[3]), "sgd": "_sgd" in m[4],
+            "resume": "_resume" in m[4]}
+
+
+def ds_config(case: dict) -> dict:
+    cfg: dict = {
+        "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+        "zero_optimization": {"stage": case["stage"]},
+        "bf16": {"enabled": "auto"},
+    }
+    if case["stage"] == 3:
+        cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    if not case["sgd"]:
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                        "weight_decay": "auto"}}
+        cfg["scheduler"] = {"type": "WarmupDecayLR", "params": {
+            "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto",
+            "total_num_steps": "auto"}}
+    return cfg
+
+
+def dataset() -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for _ in range(STEPS * MICRO * 2 * 2 * 2):  # enough for gas 2 at world 2, twice over
+        motif = torch.randint(0, VOCAB, (4,), generator=g)
+        ids = motif.repeat(SEQ // 4)
+        rows.append({"input_ids": ids, "labels": ids.clone()})
+    return rows
+
+
+def model():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
+def trainer(case: dict, out: str, steps: int):
+    import transformers.training_args
+    from transformers import Trainer, TrainingArguments
+
+    # TrainingArguments refuses bf16 on a machine without a GPU (it asks for use_cpu, which turns
+    # DeepSpeed off); this CPU run answers its probe as a bf16 GPU machine would.
+    transformers.training_args.is_torch_bf16_gpu_available = lambda: True
+    args = TrainingArguments(
+        output_dir=out, per_device_train_batch_size=MICRO, gradient_accumulation_steps=case["gas"],
+        max_steps=steps, learning_rate=3e-3, weight_decay=0.01, warmup_steps=2, max_grad_norm=1.0,
+        logging_steps=1, save_strategy="steps" if case["resume"] else "no", save_steps=STEPS // 2,
+        report_to=[], seed=42, data_seed=42, dataloader_num_workers=0, disable_tqdm=True,
+        bf16=case["precision"] == "bf16", deepspeed=ds_config(case))
+    m = model()
+    kwargs = {}
+    if case["sgd"]:
+        opt = torch.optim.SGD(m.parameters(), lr=3e-2)
+        kwargs["optimizers"] = (opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
+        args.max_grad_norm = 0.0
+    return Trainer(model=m, args=args, train_dataset=dataset(), **kwargs)
+
+
+def logs(tr) -> list[dict]:
+    keep = ("step", "loss", "grad_norm", "learning_rate")
+    return [{k: e[k] for k in keep if k in e} for e in tr.state.log_history if "loss" in e]
+
+
+def saved_weights(path: str) -> dict[str, list]:
+    from safetensors.torch import load_file
+
+    f = os.path.join(path, "model.safetensors")
+    sd = load_file(f) if os.path.exists(f) else torch.load(os.path.join(path, "pytorch_model.bin"))
+    return {k: v.float().flatten()[:64].tolist() + [float(v.float().sum())] for k, v in sorted(sd.items())}
+
+
+def run_case(name: str, work: str) -> dict:
+    from accelerate.state import AcceleratorState
+
+    case = parse_case(name)
+    out = os.path.join(work, name)
+    if int(os.environ.get("RANK", 0)) == 0:
+        shutil.rmtree(out, ignore_errors=True)
+    torch.distributed.barrier()
+    if case["resume"]:
+        first = trainer(case, out, STEPS)
+        first.add_callback(stop_at(STEPS // 2))  # the whole run's schedule, stopped after the checkpoint
+        first.train()
+        del first
+        AcceleratorState._reset_state(reset_partial_state=False)
+        tr = trainer(case, out, STEPS)
+        tr.train(resume_from_checkpoint=os.path.join(out, f"checkpoint-{STEPS // 2}"))
+    else:
+        tr = trainer(case, out, STEPS)
+        tr.train()
+    tr.save_model(os.path.join(out, "final"))
+    torch.distributed.barrier()
+    result = {"logs": logs(tr)}
+    if int(os.environ.get("RANK", 0)) == 0:
+        result["weights"] = saved_weights(os.path.join(out, "final"))
+    AcceleratorState._reset_state(reset_partial_state=False)
+    return result
+
+
+def stop_at(step: int):
+    """A Trainer callback that ends training after ``step`` (the checkpoint written there)."""
+    from transformers import TrainerCallback
+
+    class StopAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step >= step
+            return control
+
+    return StopAt()
+
+
+def accommodate_cpu_backend() -> None:
+    """DeepSpeed's run on a CPU machine under Accelerate: a gloo backend (see the docstring)."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    prepare = PartialState._prepare_backend
+
+    def _prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
+        found = prepare(self, cpu, sagemaker_dp, backend)
+        if found[0] is None and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" \
+                and int(os.environ.get("LOCAL_RANK", -1)) != -1:
+            return "gloo", DistributedType.MULTI_CPU
+        return found
+
+    PartialState._prepare_backend = _prepare_backend
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("cases", nargs="+")
+    p.add_argument("--out", required=True, help="directory for <case>.json and the runs' files")
+    p.add_argument("--reference", action="store_true", help="DeepSpeed itself: accommodate its CPU run")
+    a = p.parse_args(argv)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    if a.reference:
+        accommodate_cpu_backend()
+    torch.set_num_threads(1)
+    work = os.path.join(a.out, "runs")
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo")
+    for name in a.cases:
+        result = run_case(name, work)
+        if int(os.environ.get("RANK", 0)) == 0:
+            with open(os.path.join(a.out, f"{name}.json"), "w") as f:
+                json.dump(result, f, indent=1)
+            print(f"{name}: {[round(e['loss'], 5) for e in result['logs']]}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
