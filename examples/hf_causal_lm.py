@@ -2,9 +2,10 @@
 
 The model is built from a small ``GPT2Config``. Nothing is downloaded: there are no pretrained
 weights and no tokenizer, and the inputs are random token ids with a repeating pattern, so the
-loss has something to learn. The Hugging Face model returns a ``ModelOutput``. zfunc scales
-the gradients of everything in it, so ``engine.backward(outputs.loss)`` works as it does with
-DeepSpeed. Without ``transformers`` installed, the script says so and exits 0.
+loss has something to learn. The Hugging Face model returns its ``ModelOutput`` untouched, and
+``engine.backward(outputs.loss)`` works as it does with DeepSpeed. For Trainer, Accelerate and
+Lightning, which call DeepSpeed themselves, see ``docs/huggingface.md`` (``zfunc.as_deepspeed``).
+Without ``transformers`` installed, the script says so and exits 0.
 
     python examples/hf_causal_lm.py                         # ZeRO-2, one process
     python examples/hf_causal_lm.py --stage 3 --world-size 2 --steps 20

@@ -19,9 +19,9 @@ if ! python -c "import torch" >/dev/null 2>&1; then
         pip install -q "torch==2.13.0"
     fi
 fi
-extras="test,docs,progress,plot${ZFUNC_EXTRAS:+,$ZFUNC_EXTRAS}"
+extras="test,docs,progress,plot,hf${ZFUNC_EXTRAS:+,$ZFUNC_EXTRAS}"
 if [ ! -f .venv/.zfunc-installed ] || [ pyproject.toml -nt .venv/.zfunc-installed ] \
-   || ! python -c "import zfunc, pytest, sybil, hypothesis, pytest_timeout, mkdocs, tqdm, matplotlib" >/dev/null 2>&1; then
+   || ! python -c "import zfunc, pytest, sybil, hypothesis, pytest_timeout, mkdocs, tqdm, matplotlib, transformers, accelerate" >/dev/null 2>&1; then
     pip install -q -e ".[${extras}]"
     touch .venv/.zfunc-installed
 fi
