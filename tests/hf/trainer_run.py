@@ -111,7 +111,12 @@ def saved_weights(path: str) -> dict[str, list]:
 
     f = os.path.join(path, "model.safetensors")
     sd = load_file(f) if os.path.exists(f) else torch.load(os.path.join(path, "pytorch_model.bin"))
-    return {k: v.float().flatten()[:64].tolist() + [float(v.float().sum())] for k, v in sorted(sd.items())}
+    return {k: saved_tensor(v) for k, v in sorted(sd.items())}
+
+
+def saved_tensor(v: torch.Tensor) -> list[float]:
+    """What the comparison keeps of a saved tensor: its first 64 elements and its sum."""
+    return v.float().flatten()[:64].tolist() + [float(v.float().sum())]
 
 
 def run_case(name: str, work: str) -> dict:
