@@ -23,8 +23,10 @@ pytest.importorskip("accelerate")
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = os.path.join(HERE, "fixtures", "hf")
 FP32 = ["z1_fp32_gas1", "z1_fp32_gas2", "z2_fp32_gas1", "z2_fp32_gas2", "z3_fp32_gas1", "z3_fp32_gas2",
-        "z2_fp32_gas2_sgd", "z2_fp32_gas2_resume", "z3_fp32_gas2_resume"]
-BF16 = ["z1_bf16_gas2", "z2_bf16_gas2", "z3_bf16_gas1", "z3_bf16_gas2"]
+        "z2_fp32_gas2_sgd", "z2_fp32_gas2_resume", "z3_fp32_gas2_resume",
+        # Transformers' stage-3 model building (zero.Init, then GatheredParameters before any engine)
+        "z3_fp32_gas2_fromconfig", "z3_fp32_gas2_pretrained", "z2_fp32_gas2_fromconfig"]
+BF16 = ["z1_bf16_gas2", "z2_bf16_gas2", "z3_bf16_gas1", "z3_bf16_gas2", "z3_bf16_gas2_pretrained"]
 ACCELERATE = ["acc_z1_fp32_gas2", "acc_z2_fp32_gas1", "acc_z3_fp32_gas2", "acc_z2_bf16_gas2", "acc_z3_bf16_gas2"]
 # fp32: the issue's bounds (loss 1e-4, grad_norm 1e-3 relative); weights after 4 AdamW steps of lr
 # 3e-3 differ by fp32 rounding (measured <= 4e-6). bf16: the same forward in bf16 on both sides,

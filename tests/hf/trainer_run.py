@@ -11,9 +11,12 @@ Trainer logs, and the weights ``trainer.save_model`` wrote (by name).
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m zfunc.as_deepspeed \\
         tests/hf/trainer_run.py --out /tmp/zf z1_fp32_gas2 ...
 
-A case name is ``z<stage>_<fp32|bf16>_gas<n>[_sgd][_resume]``: ``_sgd`` trains with Trainer's own
-optimizer (``torch.optim.SGD``, no clipping, no DeepSpeed ``optimizer`` block); ``_resume`` stops
-at half the steps with a ``save_steps`` checkpoint and resumes from it in a fresh Trainer.
+A case name is ``z<stage>_<fp32|bf16>_gas<n>[_sgd][_resume][_fromconfig|_pretrained]``: ``_sgd``
+trains with Trainer's own optimizer (``torch.optim.SGD``, no clipping, no DeepSpeed ``optimizer``
+block); ``_resume`` stops at half the steps with a ``save_steps`` checkpoint and resumes from it
+in a fresh Trainer; ``_fromconfig`` builds the model with ``AutoModelForCausalLM.from_config`` and
+``_pretrained`` with ``from_pretrained`` of a checkpoint rank 0 saves first, both after the
+``TrainingArguments`` (so under Transformers' ZeRO-3 model building at stage 3).
 
 ``--reference`` applies the one accommodation DeepSpeed needs on a CPU machine under Accelerate
 1.15 (with DeepSpeed on and no GPU, ``PartialState`` finds no backend and sets one process): it
@@ -35,11 +38,11 @@ STEPS, MICRO, SEQ, VOCAB = 4, 4, 16, 64
 
 
 def parse_case(name: str) -> dict:
-    m = re.fullmatch(r"z([123])_(fp32|bf16)_gas(\d)((?:_sgd|_resume)*)", name)
+    m = re.fullmatch(r"z([123])_(fp32|bf16)_gas(\d)((?:_sgd|_resume)*)(_fromconfig|_pretrained)?", name)
     if m is None:
         raise SystemExit(f"bad case name {name!r}")
     return {"stage": int(m[1]), "precision": m[2], "gas": int(m[3]), "sgd": "_sgd" in m[4],
-            "resume": "_resume" in m[4]}
+            "resume": "_resume" in m[4], "build": (m[5] or "")[1:]}
 
 
 def ds_config(case: dict) -> dict:
@@ -70,13 +73,22 @@ def dataset() -> list[dict]:
     return rows
 
 
-def model():
-    from transformers import GPT2Config, GPT2LMHeadModel
+def model(build: str = "", out: str = ""):
+    """The tiny GPT-2: built directly, or by ``from_config``, or ``from_pretrained`` of a
+    checkpoint of another seed's model saved by rank 0 under ``out``."""
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
-    torch.manual_seed(0)
     cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return GPT2LMHeadModel(cfg)
+    if build == "pretrained":
+        path = os.path.join(out, "pretrained")
+        if int(os.environ.get("RANK", 0)) == 0:
+            torch.manual_seed(7)
+            GPT2LMHeadModel(cfg).save_pretrained(path)
+        torch.distributed.barrier()
+        return AutoModelForCausalLM.from_pretrained(path)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg) if build == "fromconfig" else GPT2LMHeadModel(cfg)
 
 
 def trainer(case: dict, out: str, steps: int):
@@ -92,7 +104,7 @@ def trainer(case: dict, out: str, steps: int):
         logging_steps=1, save_strategy="steps" if case["resume"] else "no", save_steps=STEPS // 2,
         report_to=[], seed=42, data_seed=42, dataloader_num_workers=0, disable_tqdm=True,
         bf16=case["precision"] == "bf16", deepspeed=ds_config(case))
-    m = model()
+    m = model(case["build"], out)
     kwargs = {}
     if case["sgd"]:
         opt = torch.optim.SGD(m.parameters(), lr=3e-2)

@@ -38,6 +38,13 @@ def register(engine: Any) -> None:
         _OWNERS[id(p)] = (weakref.ref(p), ref, name)
 
 
+def owned(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a parameter of a live engine's module."""
+    found = _OWNERS.get(id(param))
+    engine = found[1]() if found and found[0]() is param else None
+    return engine is not None and engine._state is not None
+
+
 def owner_of(param: torch.Tensor) -> tuple[Any, str]:
     """The engine wrapping ``param`` and its name there."""
     found = _OWNERS.get(id(param))

@@ -15,7 +15,7 @@ import torch
 
 from zfunc.errors import ConfigError
 
-__all__ = ["Init", "GatheredParameters", "register_external_parameter"]
+__all__ = ["Init", "GatheredParameters", "WholeInit", "register_external_parameter"]
 
 # DeepSpeed's keywords that zfunc takes as they are (their values change nothing here), with the
 # values it can honour; anything else is refused by name.
@@ -69,6 +69,28 @@ class Init(contextlib.AbstractContextManager):
             self._device = None
 
 
+class WholeInit(Init):
+    """``deepspeed.zero.Init`` as `zfunc.as_deepspeed` serves it, for libraries that initialise or
+    load weights inside it (Transformers' ``from_config`` and ``from_pretrained`` at stage 3):
+    the model is built as without it, whole, in host memory on every rank, so those writes
+    (inside `GatheredParameters` with ``modifier_rank``, which broadcasts that rank's values)
+    land; `zfunc.initialize` then keeps each rank's shard and frees the rest. DeepSpeed's
+    partitions each parameter as it is built; for a model larger than one host's memory use
+    `Init` (the ``meta`` device) and zfunc's own loop.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> from zfunc.compat.zero import WholeInit
+        >>> with WholeInit(config_dict_or_path={"zero_optimization": {"stage": 3}}):
+        ...     model = torch.nn.Linear(4, 2)
+        >>> model.weight.is_meta
+        False
+    """
+
+    def __enter__(self) -> WholeInit:
+        return self
+
+
 class GatheredParameters(contextlib.AbstractContextManager):
     """Full parameters inside the block, as ``deepspeed.zero.GatheredParameters``: ``params`` (one
     parameter of an engine's module, or several) hold their full current weights while the block
@@ -76,6 +98,11 @@ class GatheredParameters(contextlib.AbstractContextManager):
     ``modifier_rank``, what that rank writes into them is broadcast and becomes the master weight
     (and compute copy) on every rank when the block ends. A collective at stage 3 and with
     ``modifier_rank``: enter it on every rank. ``enabled=False`` does nothing.
+
+    Parameters of a model no engine holds yet (built, not yet passed to `zfunc.initialize`) are
+    whole already; with ``modifier_rank`` that rank's values are broadcast into them on exit
+    (the default process group), as DeepSpeed's do for a model built under ``zero.Init``. Such a
+    parameter on the ``meta`` device has no values to gather or write: an error says so.
 
     Examples:
         >>> import torch, zfunc
@@ -98,9 +125,17 @@ class GatheredParameters(contextlib.AbstractContextManager):
         self._restore: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (param, its data, its version)
 
     def __enter__(self) -> GatheredParameters:
-        from zfunc.compat.utils import _full, owner_of
+        from zfunc.compat.utils import _full, owned, owner_of
 
         for p in self.params:
+            if not owned(p):
+                if p.is_meta:
+                    raise ConfigError(
+                        f"GatheredParameters: a parameter of shape {tuple(p.shape)} is on the meta device (built "
+                        "under zfunc.zero.Init) and no engine holds it yet, so it has no values; pass the model to "
+                        "zfunc.initialize first, or build it without zero.Init (zfunc.as_deepspeed's "
+                        "deepspeed.zero.Init builds it whole)")
+                continue
             engine, name = owner_of(p)
             st = engine.state
             if st.stage == 3:
@@ -116,12 +151,16 @@ class GatheredParameters(contextlib.AbstractContextManager):
         """On every path (an exception inside included, as DeepSpeed's): with ``modifier_rank``,
         that rank's values are broadcast and written on every rank, trained, tied and frozen
         parameters alike; without it, a write at stage 3 is refused (it would be dropped)."""
-        from zfunc.compat.utils import owner_of, safe_set_full_fp32_param
+        from zfunc.compat.utils import owned, owner_of, safe_set_full_fp32_param
         from zfunc.distributed import comm
 
         try:
             if self.modifier_rank is not None:
                 for p in self.params:
+                    if not owned(p):  # a model no engine holds yet: whole on every rank
+                        if comm.world().size > 1:
+                            comm.broadcast_(p.data, self.modifier_rank)
+                        continue
                     engine, name = owner_of(p)
                     st = engine.state
                     value = comm.broadcast(p.data.detach(), self.modifier_rank, st.group)

@@ -1,5 +1,6 @@
-"""``deepspeed.runtime.zero``: zfunc's `Init` and `GatheredParameters`."""
+"""``deepspeed.runtime.zero``: as ``deepspeed.zero``."""
 
-from zfunc.zero import GatheredParameters, Init
+from deepspeed.zero import GatheredParameters, Init
+from deepspeed.runtime.zero import partition_parameters
 
-__all__ = ["GatheredParameters", "Init"]
+__all__ = ["GatheredParameters", "Init", "partition_parameters"]
