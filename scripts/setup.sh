@@ -21,7 +21,7 @@ if ! python -c "import torch" >/dev/null 2>&1; then
 fi
 extras="test,docs,progress,plot,hf${ZFUNC_EXTRAS:+,$ZFUNC_EXTRAS}"
 if [ ! -f .venv/.zfunc-installed ] || [ pyproject.toml -nt .venv/.zfunc-installed ] \
-   || ! python -c "import zfunc, pytest, sybil, hypothesis, pytest_timeout, mkdocs, tqdm, matplotlib, transformers, accelerate" >/dev/null 2>&1; then
+   || ! python -c "import zfunc, pytest, sybil, hypothesis, pytest_timeout, mkdocs, tqdm, matplotlib, transformers, accelerate, lightning" >/dev/null 2>&1; then
     pip install -q -e ".[${extras}]"
     touch .venv/.zfunc-installed
 fi

@@ -1,6 +1,8 @@
-"""Hugging Face Trainer and Accelerate on zfunc equal them on DeepSpeed 0.19.8, on the same scripts.
+"""Hugging Face Trainer, Accelerate and Lightning on zfunc equal them on DeepSpeed 0.19.8, on the
+same scripts.
 
-`tests/hf/trainer_run.py` and `tests/hf/accelerate_run.py` run unchanged on both: here through ``zfunc.as_deepspeed`` (``torchrun
+`tests/hf/trainer_run.py`, `tests/hf/accelerate_run.py` and `tests/hf/lightning_run.py` run
+unchanged on both: here through ``zfunc.as_deepspeed`` (``torchrun
 -m zfunc.compat.as_deepspeed``), a world of 2 gloo ranks; the reference numbers in
 ``tests/fixtures/hf/<case>.json`` are DeepSpeed's own run of it (the command is in the script's
 docstrings). Per logged step: loss, ``grad_norm`` and learning rate; then the weights
@@ -19,6 +21,7 @@ import pytest
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
+pytest.importorskip("lightning")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = os.path.join(HERE, "fixtures", "hf")
@@ -28,6 +31,7 @@ FP32 = ["z1_fp32_gas1", "z1_fp32_gas2", "z2_fp32_gas1", "z2_fp32_gas2", "z3_fp32
         "z3_fp32_gas2_fromconfig", "z3_fp32_gas2_pretrained", "z2_fp32_gas2_fromconfig"]
 BF16 = ["z1_bf16_gas2", "z2_bf16_gas2", "z3_bf16_gas1", "z3_bf16_gas2", "z3_bf16_gas2_pretrained"]
 ACCELERATE = ["acc_z1_fp32_gas2", "acc_z2_fp32_gas1", "acc_z3_fp32_gas2", "acc_z2_bf16_gas2", "acc_z3_bf16_gas2"]
+LIGHTNING = ["pl_z1_fp32_gas2", "pl_z2_fp32_gas1", "pl_z2_fp32_gas2", "pl_z3_fp32_gas2"]
 # fp32: the issue's bounds (loss 1e-4, grad_norm 1e-3 relative); weights after 4 AdamW steps of lr
 # 3e-3 differ by fp32 rounding (measured <= 4e-6). bf16: the same forward in bf16 on both sides,
 # weights within a bf16 step of each other (measured: loss 2e-5, grad_norm 3e-4, weights 4.9e-3).
@@ -50,6 +54,7 @@ def runs(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("hf"))
     _launch("trainer_run.py", out, FP32 + BF16)
     _launch("accelerate_run.py", out, ACCELERATE)
+    _launch("lightning_run.py", out, LIGHTNING)
     return out
 
 
@@ -79,6 +84,13 @@ def test_an_accelerate_loop_on_zfunc_equals_it_on_deepspeed(runs, case):
     _same_weights(ours["resumed_weights"], ref["resumed_weights"], tol)
     assert ours["unwrapped_names"] == ref["unwrapped_names"]  # unwrap_model knows the engine
     assert not any(n.startswith("module.") for n in ours["weights"])
+
+
+@pytest.mark.parametrize("case", LIGHTNING)
+def test_lightning_deepspeed_strategy_on_zfunc_equals_it_on_deepspeed(runs, case):
+    ours, ref = _read(os.path.join(runs, f"{case}.json")), _read(os.path.join(FIXTURES, f"{case}.json"))
+    _same_logs(ours["logs"], ref["logs"], TOL["fp32"], [1, 2, 3, 4])
+    _same_weights(ours["weights"], ref["weights"], TOL["fp32"])
 
 
 def _same_logs(ours: list[dict], ref: list[dict], tol: dict, steps: list[int]) -> None:

@@ -35,7 +35,8 @@ _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "torch.float32": tor
 # Keys that change nothing in zfunc's results: logging and monitoring, DeepSpeed's own tuning.
 _HARMLESS = {"steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer", "dump_state", "seed",
              "memory_breakdown", "tensorboard", "wandb", "csv_monitor", "comet", "flops_profiler", "comms_logger",
-             "timers", "checkpoint", "zero_force_ds_cpu_optimizer", "activation_checkpointing"}
+             "timers", "checkpoint", "zero_force_ds_cpu_optimizer", "activation_checkpointing",
+             "aio"}  # aio: NVMe offload settings (zfunc refuses NVMe offload itself)
 # Keys that change the numbers: accepted at the value that matches zfunc, refused otherwise.
 _NUMERIC = {"sparse_gradients": (False,)}
 # Where DeepSpeed divides by the world size around the reduce: zfunc divides before it, in the

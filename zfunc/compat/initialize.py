@@ -44,6 +44,13 @@ def initialize(model: torch.nn.Module, config: Mapping[str, Any] | str | os.Path
             (built on ``optimizer``), or a callable taking the returned optimizer and returning
             one; it is stepped after each applied optimizer step, as DeepSpeed does.
         group: the ranks (default: the world).
+        **kwargs: DeepSpeed's other keywords: ``config_params`` (``config``'s older name),
+            ``args`` (its ``deepspeed_config`` is the config when ``config`` is not given),
+            ``dist_init_required`` (``False``: the process group must be initialised already;
+            otherwise it is initialised from the environment as needed), ``distributed_port``
+            (taken from the environment, as torchrun sets it); ``training_data``,
+            ``collate_fn``, ``mpu`` and ``mesh_param`` are refused (zfunc builds no data loader
+            and has no model parallelism).
 
     Examples:
         >>> import torch, zfunc
@@ -52,9 +59,7 @@ def initialize(model: torch.nn.Module, config: Mapping[str, Any] | str | os.Path
         >>> engine.cfg.stage, engine.config["train_micro_batch_size_per_gpu"], scheduler
         (0, 2, None)
     """
-    config = kwargs.pop("config_params", config)
-    if kwargs:
-        raise TypeError(f"initialize: unexpected arguments {sorted(kwargs)}")
+    config = _deepspeed_keywords(config, kwargs)
     group = group or comm.world()
     batch, managed, engine_scheduler, ds = None, True, None, None
     if isinstance(config, Config):
@@ -94,6 +99,35 @@ def initialize(model: torch.nn.Module, config: Mapping[str, Any] | str | os.Path
     engine = Engine(model, cfg, group=group, batch=batch, optimizer_groups=plan.dicts, lr_scheduler=lr_scheduler,
                     managed=managed, deepspeed_masters=not isinstance(config, Config), ds_config=ds)
     return engine, engine.optimizer, None, engine.lr_scheduler
+
+
+def _deepspeed_keywords(config: Any, kwargs: dict[str, Any]) -> Any:
+    """The config, after DeepSpeed's other `initialize` keywords are read or refused."""
+    config = kwargs.pop("config_params", config)
+    args = kwargs.pop("args", None)
+    from_args = getattr(args, "deepspeed_config", None)
+    if from_args is not None:
+        if config is not None:
+            raise ConfigError("initialize: a config came both as config= and as args.deepspeed_config; pass one")
+        config = from_args
+    required = kwargs.pop("dist_init_required", None)
+    if required is False and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise ConfigError("initialize: dist_init_required=False, but no process group is initialised; call "
+                          "zfunc.init_distributed() (or torch.distributed.init_process_group) first, or leave it out")
+    kwargs.pop("distributed_port", None)  # torchrun's MASTER_PORT is what the process group uses
+    refused = {"training_data": "build the DataLoader yourself (zfunc returns None in its place)",
+               "collate_fn": "build the DataLoader yourself (zfunc returns None in its place)",
+               "mpu": "zfunc has no model parallelism; pass group= for the data-parallel ranks",
+               "mesh_param": "zfunc has no model parallelism; pass group= for the data-parallel ranks"}
+    for key in list(kwargs):
+        if key in refused and kwargs[key] is None:
+            del kwargs[key]
+    for key in kwargs:
+        if key in refused:
+            raise ConfigError(f"initialize: {key} is not supported: {refused[key]}")
+    if kwargs:
+        raise TypeError(f"initialize: unexpected arguments {sorted(kwargs)}")
+    return config
 
 
 def _engine_scheduler(ds: dict[str, Any], lr_scheduler: Any) -> tuple[dict[str, Any], Any]:
