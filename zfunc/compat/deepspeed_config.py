@@ -73,11 +73,10 @@ def gather_16bit_on_save(ds: Mapping[str, Any]) -> bool:
         True
     """
     zero = ds.get("zero_optimization") or {}
-    found = [zero[k] for k in _ZERO_ENGINE if k in zero]
-    for value in found:
-        if not isinstance(value, bool):
-            raise _err("zero_optimization.stage3_gather_16bit_weights_on_model_save", "true or false", value)
-    return any(found)
+    for key in _ZERO_ENGINE:
+        if key in zero and not isinstance(zero[key], bool):
+            raise _err(f"zero_optimization.{key}", "true or false", zero[key])
+    return any(zero.get(key, False) for key in _ZERO_ENGINE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,6 +225,7 @@ def _refuse_unknown(ds: Mapping[str, Any]) -> None:
                     "check_grad_overflow", "immediate_grad_update"):
             if key in sec and not isinstance(sec[key], bool):
                 raise _err(f"{name}.{key}", "true or false", sec[key])
+    gather_16bit_on_save(ds)  # its value checked here; the engine reads it
     bf16 = _section(ds, "bf16") or _section(ds, "bfloat16")
     if bf16.get("check_grad_overflow") is False:
         raise _err("bf16.check_grad_overflow", "true (zfunc always skips a step whose gradients are not finite)", False)
