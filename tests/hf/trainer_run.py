@@ -195,7 +195,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reference", action="store_true", help="DeepSpeed itself: accommodate its CPU run")
     a = p.parse_args(argv)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     if a.reference:
         accommodate_cpu_backend()
     torch.set_num_threads(1)
