@@ -203,3 +203,44 @@ def test_register_external_parameter_is_refused_with_what_to_do():
     m = torch.nn.Linear(2, 2)
     with pytest.raises(ConfigError, match="stage 2"):
         zfunc.zero.register_external_parameter(m, m.weight)
+
+
+def _second_engine(rank: int, stage: int) -> dict:
+    torch.manual_seed(0)
+    model = _Tied()
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.05}}}
+    first, *_ = zfunc.initialize(model=model, config=config)
+    for step in range(2):
+        idx = torch.randint(0, 5, (2,), generator=torch.Generator().manual_seed(10 * step + rank))
+        first.backward(first(idx).square().mean())
+        first.step()
+    trained = {k: v.clone() for k, v in first.module_state_dict().items()}
+    second, *_ = zfunc.initialize(model=model, config=config)  # takes the module, weights and all
+    taken = second.module_state_dict()
+    try:
+        first(torch.zeros(2, dtype=torch.long))
+        old_refused = False
+    except Exception:  # noqa: BLE001  (destroyed: it holds no state)
+        old_refused = True
+    second.backward(second(torch.zeros(2, dtype=torch.long)).square().mean())
+    second.step()
+    return {"same": all(torch.equal(taken[k], v) for k, v in trained.items()), "keys": sorted(taken) == sorted(trained),
+            "old_refused": old_refused, "trains": second.global_steps == 1}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_second_initialize_of_a_module_takes_its_engines_weights(stage):
+    """As DeepSpeed's engines share their module: a second ``initialize`` of ``engine.module``
+    starts from the first engine's current weights (and buffers), and the first is destroyed."""
+    for out in run_ranks(_second_engine, 2, stage):
+        assert out == {"same": True, "keys": True, "old_refused": True, "trains": True}
+
+
+def test_a_module_whose_engine_is_gone_says_where_its_weights_went():
+    model = torch.nn.Linear(3, 2)
+    engine, *_ = zfunc.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
+                                                        "zero_optimization": {"stage": 3}})
+    engine.destroy()  # at stage 3 the weights lived in its state only
+    with pytest.raises(ConfigError, match="went with it"):
+        zfunc.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}})

@@ -319,6 +319,19 @@ class ModuleBinding:
         self.donated = True
         _DONATED.add(self.module)
 
+    def give_back(self, values: dict[str, torch.Tensor]) -> None:
+        """The reverse of `donate`: the module's trained parameters hold ``values`` (full
+        tensors by name) again and direct calls run, so a new state can take the module over
+        (a second ``zfunc.initialize`` of it, as DeepSpeed allows)."""
+        if not self.donated:
+            return
+        _remove(self._refusing)
+        named = dict(self.module.named_parameters())
+        for name in self.layout.names:
+            named[name].data = values[name].detach().to(named[name].dtype).clone()
+        self.donated = False
+        _DONATED.discard(self.module)
+
     def route(self, bound: Callable[[], BoundModel]) -> None:
         """Calls of the module itself run on the state ``bound()`` binds, as calls of the bound
         model do (the engine's ``engine.module``): same parameters, gradients into the state.

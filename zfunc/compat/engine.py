@@ -107,8 +107,7 @@ class Engine(ConfigAccessors, torch.nn.Module):
         # The engine keeps the binding whose hooks route them (a state assigned later may have another).
         self._router = self._state.binding
         self._router.route(self._bound)
-        if cfg.stage == 3:
-            model.register_state_dict_pre_hook(_no_stage3_state_dict)
+        self._guard = model.register_state_dict_pre_hook(_no_stage3_state_dict) if cfg.stage == 3 else None
         self.optimizer = OptimizerView(self, optimizer_groups)
         if cfg.lr_schedule is not None:
             if lr_scheduler is not None:
@@ -541,6 +540,29 @@ class Engine(ConfigAccessors, torch.nn.Module):
         comm.all_gather_object(None, self._state.group)  # barrier: the file is there
         return True
 
+    def hand_over(self) -> None:
+        """Give the module back, for a new engine to take it over (a second `zfunc.initialize`
+        of ``engine.module``, as DeepSpeed's engines share their module): the module's parameters
+        and buffers get this engine's current weights (parameters in the compute dtype, as
+        DeepSpeed's module holds them), then the engine is destroyed. A collective at stages 1-3
+        (it gathers the weights): the new `initialize` runs it on every rank."""
+        sd = self.module_state_dict()
+        with torch.no_grad():
+            for name, buf in self.module.named_buffers():
+                if name in sd:
+                    buf.copy_(sd[name])
+            named = dict(self.module.named_parameters())
+            for name, p in named.items():
+                if name in self._state.frozen:
+                    p.copy_(sd[name])
+        if self._router.donated:
+            self._router.give_back(sd)
+        else:
+            for name, p in named.items():  # stages 0-2: the module viewed this engine's buffers
+                if name not in self._state.frozen:
+                    p.data = sd[name].to(p.dtype).clone()
+        self.destroy()
+
     def empty_partition_cache(self) -> None:
         """DeepSpeed's: release the stage-3 parameters gathered and kept between uses. zfunc keeps
         none (each unit's gathered buffer is freed after its module has run, forward and backward),
@@ -550,6 +572,8 @@ class Engine(ConfigAccessors, torch.nn.Module):
         """Release what the engine holds: zfunc's hooks leave the module and the state is dropped
         (DeepSpeed's ``engine.destroy()``). The engine cannot train afterwards."""
         self._router.remove()
+        if self._guard is not None:
+            self._guard.remove()
         self._destroyed = True
         self._state = None  # type: ignore[assignment]
         self._sinks = []

@@ -96,9 +96,20 @@ def initialize(model: torch.nn.Module, config: Mapping[str, Any] | str | os.Path
         cls(types.SimpleNamespace(param_groups=[{"lr": 0.0, "betas": (0.9, 0.999)} for _ in range(groups)]),
             **params)
         lr_scheduler = functools.partial(cls, **params)
+    previous = _engine_of(model)
+    if previous is not None:  # DeepSpeed lets a second engine take a module over, weights and all
+        previous.hand_over()
     engine = Engine(model, cfg, group=group, batch=batch, optimizer_groups=plan.dicts, lr_scheduler=lr_scheduler,
                     managed=managed, deepspeed_masters=not isinstance(config, Config), ds_config=ds)
     return engine, engine.optimizer, None, engine.lr_scheduler
+
+
+def _engine_of(model: torch.nn.Module) -> Engine | None:
+    """The live engine whose module ``model`` is, if any."""
+    from zfunc.compat.utils import owned, owner_of
+
+    first = next(iter(model.parameters()), None)
+    return owner_of(first)[0] if first is not None and owned(first) else None
 
 
 def _deepspeed_keywords(config: Any, kwargs: dict[str, Any]) -> Any:

@@ -340,7 +340,9 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
     if was_donated(model):
         raise ConfigError(
             "model: its parameters were donated to another zfunc state by init(..., donate=True) and are "
-            "empty now; build the model again (or init it without donate=True the first time)")
+            "empty now (the weights live in that state, and went with it if it is gone); build the model again "
+            "(and load a checkpoint), or init it without donate=True the first time. zfunc.initialize of a module "
+            "whose engine is alive takes the weights over from that engine")
     if group.size > 1:
         _check_same_everywhere(model, cfg, group)
     named = dict(model.named_parameters())
