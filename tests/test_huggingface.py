@@ -4,8 +4,8 @@ same scripts.
 `tests/hf/trainer_run.py`, `tests/hf/accelerate_run.py` and `tests/hf/lightning_run.py` run
 unchanged on both: here through ``zfunc.as_deepspeed`` (``torchrun
 -m zfunc.compat.as_deepspeed``), a world of 2 gloo ranks; the reference numbers in
-``tests/fixtures/hf/<case>.json`` are DeepSpeed's own run of it (the command is in the script's
-docstrings). Per logged step: loss, ``grad_norm`` and learning rate; then the weights
+``tests/fixtures/hf/<case>.json`` are DeepSpeed's own runs of them (``tests/hf/cases.py`` makes
+them). Per logged step: loss, ``grad_norm`` and learning rate; then the weights
 ``trainer.save_model`` wrote, or Accelerate's ``get_state_dict`` returned (names, a leading slice
 of each tensor and its sum).
 """
@@ -23,16 +23,11 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("lightning")
 
+from tests.hf.cases import ACCELERATE, LIGHTNING, RUNS, TRAINER_BF16, TRAINER_FP32
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = os.path.join(HERE, "fixtures", "hf")
-FP32 = ["z1_fp32_gas1", "z1_fp32_gas2", "z2_fp32_gas1", "z2_fp32_gas2", "z3_fp32_gas1", "z3_fp32_gas2",
-        "z2_fp32_gas2_sgd", "z2_fp32_gas2_resume", "z3_fp32_gas2_resume",
-        # Transformers' stage-3 model building (zero.Init, then GatheredParameters before any engine)
-        "z3_fp32_gas2_fromconfig", "z3_fp32_gas2_pretrained", "z2_fp32_gas2_fromconfig"]
-BF16 = ["z1_bf16_gas2", "z2_bf16_gas2", "z3_bf16_gas1", "z3_bf16_gas2", "z3_bf16_gas2_pretrained"]
-ACCELERATE = ["acc_z1_fp32_gas2", "acc_z2_fp32_gas1", "acc_z3_fp32_gas2", "acc_z2_bf16_gas2", "acc_z3_bf16_gas2"]
-LIGHTNING = ["pl_z1_fp32_gas2", "pl_z2_fp32_gas1", "pl_z2_fp32_gas2", "pl_z3_fp32_gas2"]
-# fp32: the issue's bounds (loss 1e-4, grad_norm 1e-3 relative); weights after 4 AdamW steps of lr
+# fp32: loss 1e-4 and grad_norm 1e-3 relative; weights after 4 AdamW steps of lr
 # 3e-3 differ by fp32 rounding (measured <= 4e-6). bf16: the same forward in bf16 on both sides,
 # weights within a bf16 step of each other (measured: loss 2e-5, grad_norm 3e-4, weights 4.9e-3).
 # The sum of each tensor: measured 4e-6 (fp32) and 2e-3 (bf16) apart.
@@ -52,9 +47,8 @@ def _launch(script: str, out: str, cases: list[str]) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("hf"))
-    _launch("trainer_run.py", out, FP32 + BF16)
-    _launch("accelerate_run.py", out, ACCELERATE)
-    _launch("lightning_run.py", out, LIGHTNING)
+    for script, cases in RUNS.items():
+        _launch(script, out, cases)
     return out
 
 
@@ -63,7 +57,7 @@ def _read(path: str) -> dict:
         return json.load(f)
 
 
-@pytest.mark.parametrize("case", FP32 + BF16)
+@pytest.mark.parametrize("case", TRAINER_FP32 + TRAINER_BF16)
 def test_trainer_on_zfunc_equals_trainer_on_deepspeed(runs, case):
     ours, ref = _read(os.path.join(runs, f"{case}.json")), _read(os.path.join(FIXTURES, f"{case}.json"))
     tol = TOL["bf16" if "bf16" in case else "fp32"]

@@ -1,0 +1,1 @@
+"""Scripts run unchanged on DeepSpeed and on zfunc (`tests/test_huggingface.py`)."""
