@@ -17,8 +17,6 @@ A case name is ``acc_z<stage>_<fp32|bf16>_gas<n>``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import re
 import shutil
@@ -27,7 +25,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from trainer_run import MICRO, accommodate_cpu_backend, dataset, model, saved_tensor  # noqa: E402
+from harness import MICRO, dataset, drive, model, saved_tensor  # noqa: E402
 
 STEPS = 4
 
@@ -116,25 +114,5 @@ def run_case(name: str, work: str) -> dict:
     return result
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("cases", nargs="+")
-    p.add_argument("--out", required=True)
-    p.add_argument("--reference", action="store_true", help="DeepSpeed itself: accommodate its CPU run")
-    a = p.parse_args(argv)
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    if a.reference:
-        accommodate_cpu_backend()
-    torch.set_num_threads(1)
-    if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("gloo")
-    for name in a.cases:
-        result = run_case(name, os.path.join(a.out, "runs"))
-        if int(os.environ.get("RANK", 0)) == 0:
-            with open(os.path.join(a.out, f"{name}.json"), "w") as f:
-                json.dump(result, f)
-            print(f"{name}: {[round(e['loss'], 5) for e in result['logs']]}", file=sys.stderr)
-
-
 if __name__ == "__main__":
-    main()
+    drive(run_case)
