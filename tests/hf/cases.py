@@ -9,13 +9,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 
 TRAINER_FP32 = ["z1_fp32_gas1", "z1_fp32_gas2", "z2_fp32_gas1", "z2_fp32_gas2", "z3_fp32_gas1", "z3_fp32_gas2",
                 "z2_fp32_gas2_sgd", "z2_fp32_gas2_resume", "z3_fp32_gas2_resume",
                 # Transformers' stage-3 model building (zero.Init, then GatheredParameters before any engine)
                 "z3_fp32_gas2_fromconfig", "z3_fp32_gas2_pretrained", "z2_fp32_gas2_fromconfig"]
 TRAINER_BF16 = ["z1_bf16_gas2", "z2_bf16_gas2", "z3_bf16_gas1", "z3_bf16_gas2", "z3_bf16_gas2_pretrained"]
-ACCELERATE = ["acc_z1_fp32_gas2", "acc_z2_fp32_gas1", "acc_z3_fp32_gas2", "acc_z2_bf16_gas2", "acc_z3_bf16_gas2"]
+ACCELERATE = ["acc_z1_fp32_gas2", "acc_z2_fp32_gas1", "acc_z2_fp32_gas2", "acc_z3_fp32_gas2", "acc_z2_bf16_gas2",
+              "acc_z3_bf16_gas2"]
 LIGHTNING = ["pl_z1_fp32_gas2", "pl_z2_fp32_gas1", "pl_z2_fp32_gas2", "pl_z3_fp32_gas2"]
 RUNS = {"trainer_run.py": TRAINER_FP32 + TRAINER_BF16, "accelerate_run.py": ACCELERATE,
         "lightning_run.py": LIGHTNING}
@@ -24,6 +26,8 @@ if __name__ == "__main__":
     here = os.path.dirname(os.path.abspath(__file__))
     out = os.path.join(here, "..", "fixtures", "hf")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    for script, cases in RUNS.items():
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        os.path.join(here, script), "--reference", "--out", out, *cases], check=True, env=env)
+    with tempfile.TemporaryDirectory() as work:
+        for script, cases in RUNS.items():
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            os.path.join(here, script), "--reference", "--out", out, "--work", work, *cases],
+                           check=True, env=env)

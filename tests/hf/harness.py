@@ -70,7 +70,8 @@ def drive(run_case: Callable[[str, str], dict], argv: list[str] | None = None, i
     Lightning's strategy starts it itself)."""
     p = argparse.ArgumentParser()
     p.add_argument("cases", nargs="+")
-    p.add_argument("--out", required=True, help="directory for <case>.json and the runs' files")
+    p.add_argument("--out", required=True, help="directory for <case>.json")
+    p.add_argument("--work", help="directory for the runs' files (checkpoints, saved models); default <out>/runs")
     p.add_argument("--reference", action="store_true", help="DeepSpeed itself: accommodate its CPU run")
     a = p.parse_args(argv)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -80,7 +81,7 @@ def drive(run_case: Callable[[str, str], dict], argv: list[str] | None = None, i
     if init_group and not torch.distributed.is_initialized():
         torch.distributed.init_process_group("gloo")
     for name in a.cases:
-        result = run_case(name, os.path.join(a.out, "runs"))
+        result = run_case(name, a.work or os.path.join(a.out, "runs"))
         if int(os.environ.get("RANK", 0)) == 0:
             with open(os.path.join(a.out, f"{name}.json"), "w") as f:
                 json.dump(result, f)
