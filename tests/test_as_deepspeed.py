@@ -225,8 +225,8 @@ def _second_engine(rank: int, stage: int) -> dict:
         old_refused = True
     second.backward(second(torch.zeros(2, dtype=torch.long)).square().mean())
     second.step()
-    return {"same": all(torch.equal(taken[k], v) for k, v in trained.items()), "keys": sorted(taken) == sorted(trained),
-            "old_refused": old_refused, "trains": second.global_steps == 1}
+    return {"same": all(torch.equal(taken[k], v) for k, v in trained.items()),
+            "keys": sorted(taken) == sorted(trained), "old_refused": old_refused, "trains": second.global_steps == 1}
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -243,4 +243,5 @@ def test_a_module_whose_engine_is_gone_says_where_its_weights_went():
                                                         "zero_optimization": {"stage": 3}})
     engine.destroy()  # at stage 3 the weights lived in its state only
     with pytest.raises(ConfigError, match="went with it"):
-        zfunc.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}})
+        zfunc.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
+                                              "zero_optimization": {"stage": 3}})
