@@ -16,7 +16,7 @@ import torch
 
 import zfunc
 from tests.helpers import run_ranks
-from zfunc.compat.as_deepspeed import PATH
+from zfunc.compat.switch import PATH
 from zfunc.errors import ConfigError
 
 
@@ -31,9 +31,10 @@ def _code(code: str) -> subprocess.CompletedProcess:
 
 def test_the_switch_serves_deepspeed_from_zfunc():
     done = _code("""
-        import importlib.metadata, zfunc
+        import importlib.metadata, sys, zfunc
         zfunc.as_deepspeed()
-        zfunc.as_deepspeed()  # again: nothing more
+        sys.path.insert(0, "/nonexistent")
+        zfunc.as_deepspeed()  # again: nothing more, whatever came first on sys.path since
         import deepspeed, deepspeed.comm, deepspeed.zero, deepspeed.runtime.engine
         from deepspeed.accelerator import get_accelerator
         from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
@@ -85,7 +86,7 @@ def test_accelerate_gets_gloo_for_a_deepspeed_run_without_cuda():
         print(unlaunched[0], launched[0], plain[0])
     """)
     assert done.returncode == 0, done.stderr
-    expected = "nccl nccl nccl" if torch.cuda.is_available() else "None gloo None"
+    expected = "None nccl nccl" if torch.cuda.is_available() else "None gloo None"
     assert done.stdout.split() == expected.split()
 
 
@@ -237,11 +238,79 @@ def test_a_second_initialize_of_a_module_takes_its_engines_weights(stage):
         assert out == {"same": True, "keys": True, "old_refused": True, "trains": True}
 
 
-def test_a_module_whose_engine_is_gone_says_where_its_weights_went():
-    model = torch.nn.Linear(3, 2)
+def _destroy_and_again(rank: int) -> dict:
+    torch.manual_seed(0)
+    model = _Tied()
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.05}}}
+    engine, optimizer, *_ = zfunc.initialize(model=model, config=config)
+    engine.backward(engine(torch.tensor([rank, 4])).square().mean())
+    engine.step()
+    trained = {k: v.clone() for k, v in engine.module_state_dict().items()}
+    engine.destroy()  # Accelerate's free_memory(): the weights go back into the module
+    engine.destroy()  # a second call does nothing
+    back = {k: torch.equal(v, trained[k]) for k, v in model.state_dict().items()}
+    errors = []
+    for call in (lambda: engine(torch.zeros(2, dtype=torch.long)), engine.step, engine.zero_grad,
+                 optimizer.zero_grad, lambda: engine.save_checkpoint("/nonexistent")):
+        try:
+            call()
+        except RuntimeError as e:
+            errors.append("destroy() was called" in str(e))
+    again, *_ = zfunc.initialize(model=model, config=config)
+    taken = again.module_state_dict()
+    return {"back": all(back.values()) and len(back) == len(trained) - 1,  # not the non-persistent buffer
+            "errors": errors, "again": all(torch.equal(taken[k], v) for k, v in trained.items())}
+
+
+def test_destroy_gives_the_weights_back_to_the_module():
+    """As DeepSpeed's ``destroy()`` (Accelerate's ``free_memory()``) leaves the weights on the
+    module: at stage 3 they go back into the module's parameters and buffers, a new
+    ``initialize`` continues from them, and the destroyed engine's methods say what happened."""
+    for out in run_ranks(_destroy_and_again, 2):
+        assert out == {"back": True, "errors": [True] * 5, "again": True}
+
+
+def test_gathered_parameters_changes_nothing_when_it_refuses():
+    engine, *_ = zfunc.initialize(model=torch.nn.Linear(3, 2), config={"train_micro_batch_size_per_gpu": 1,
+                                                                       "zero_optimization": {"stage": 3}})
+    with zfunc.zero.Init():
+        other = torch.nn.Linear(2, 2)
+    w = engine.module.weight
+    with pytest.raises(ConfigError, match="meta device"):
+        with zfunc.zero.GatheredParameters([w, other.weight], modifier_rank=0):
+            pass
+    assert w.numel() == 0  # still the empty stage-3 placeholder
+    with zfunc.zero.GatheredParameters(w):
+        assert w.shape == (2, 3)
+
+
+class _SharedBuffer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+        pos = torch.arange(2.0)
+        self.a.register_buffer("pos", pos)
+        self.b.register_buffer("pos", pos)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x) + self.a.pos)
+
+
+def test_a_buffer_under_two_names_is_saved_under_both():
+    model = _SharedBuffer()
+    expected = sorted(model.state_dict())
     engine, *_ = zfunc.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
-                                                        "zero_optimization": {"stage": 3}})
-    engine.destroy()  # at stage 3 the weights lived in its state only
-    with pytest.raises(ConfigError, match="went with it"):
-        zfunc.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
-                                              "zero_optimization": {"stage": 3}})
+                                                       "zero_optimization": {"stage": 3}})
+    assert sorted(engine._zero3_consolidated_16bit_state_dict()) == expected
+
+
+def test_config_wins_over_config_params_as_in_deepspeed():
+    ds = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}
+    engine, *_ = zfunc.initialize(model=torch.nn.Linear(2, 1), config=ds, config_params=None)
+    assert engine.cfg.stage == 2 and engine.train_micro_batch_size_per_gpu() == 4
+    engine, *_ = zfunc.initialize(model=torch.nn.Linear(2, 1), config=ds,
+                                  config_params={"train_micro_batch_size_per_gpu": 1})
+    assert engine.train_micro_batch_size_per_gpu() == 4
+    engine, *_ = zfunc.initialize(model=torch.nn.Linear(2, 1), config_params=ds)
+    assert engine.train_micro_batch_size_per_gpu() == 4

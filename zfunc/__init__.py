@@ -22,7 +22,7 @@ from zfunc.autograd.forward_gather import settle as settle
 from zfunc.compat import moe as moe
 from zfunc.compat import utils as utils
 from zfunc.compat import zero as zero
-from zfunc.compat.as_deepspeed import as_deepspeed as as_deepspeed
+from zfunc.compat.switch import as_deepspeed as as_deepspeed
 from zfunc.compat.engine import Engine as Engine
 from zfunc.compat.initialize import add_config_arguments as add_config_arguments
 from zfunc.compat.initialize import init_distributed as init_distributed

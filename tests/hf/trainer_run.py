@@ -8,7 +8,7 @@ Trainer logs, and the weights ``trainer.save_model`` wrote (by name).
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv-ds/bin/torchrun --nproc-per-node 2 \\
         tests/hf/trainer_run.py --reference --out tests/fixtures/hf z1_fp32_gas2 ...
     # zfunc: the same script, through the switch
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m zfunc.as_deepspeed \\
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m zfunc.compat.as_deepspeed \\
         tests/hf/trainer_run.py --out /tmp/zf z1_fp32_gas2 ...
 
 A case name is ``z<stage>_<fp32|bf16>_gas<n>[_sgd][_resume][_fromconfig|_pretrained]``: ``_sgd``

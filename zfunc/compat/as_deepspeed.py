@@ -1,93 +1,38 @@
-"""The switch that runs an unchanged Hugging Face Trainer, Accelerate or Lightning script on
-zfunc: ``zfunc.as_deepspeed()`` at the top of the script, or the script run through this module:
+"""Run a script with `zfunc.as_deepspeed` on, unchanged:
 
     torchrun --nproc-per-node 2 -m zfunc.compat.as_deepspeed train.py --deepspeed ds.json
+    python -m zfunc.compat.as_deepspeed train.py [args...]
 
-It puts zfunc's ``deepspeed`` package (``zfunc/compat/deepspeed_path``) first on ``sys.path``:
-``import deepspeed`` then gives zfunc's ``initialize``, ``DeepSpeedEngine``, ``zero``,
-``comm``, ``utils`` and ``accelerator``, and the distribution metadata says ``deepspeed
-0.19.8`` (the API zfunc follows), so those libraries take their DeepSpeed paths. DeepSpeed itself
-need not be installed; when it is, it is not used.
-
-On a machine without CUDA, Accelerate gives a DeepSpeed run no process-group backend and counts
-one process (DeepSpeed's own runs need the same help there): the switch gives such a run gloo, so
-the world size stays the launcher's.
+The script runs as ``python train.py [args...]`` would run it (``__main__``, its ``sys.argv``, its
+directory first on ``sys.path`` after zfunc's ``deepspeed``); see `zfunc.compat.switch`.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import runpy
 import sys
 
-__all__ = ["as_deepspeed", "PATH"]
+from zfunc.compat.switch import PATH, as_deepspeed
 
-PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "deepspeed_path")
-_CLIENTS = ("deepspeed", "transformers", "accelerate", "lightning", "pytorch_lightning")
-
-
-def as_deepspeed() -> None:
-    """Serve ``import deepspeed`` from zfunc, for libraries that call DeepSpeed themselves.
-
-    Call it before importing DeepSpeed, Transformers, Accelerate or Lightning (they decide
-    whether DeepSpeed is there when imported); calling it again does nothing.
-
-    Raises:
-        RuntimeError: one of those libraries was imported first.
-
-    Examples:
-        >>> import subprocess, sys
-        >>> code = "import zfunc; zfunc.as_deepspeed(); import deepspeed; print(deepspeed.initialize is zfunc.initialize)"
-        >>> subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout
-        'True\\n'
-    """
-    if sys.path and sys.path[0] == PATH:
-        return
-    early = [m for m in _CLIENTS if m in sys.modules]
-    if early:
-        raise RuntimeError(
-            f"zfunc.as_deepspeed(): {', '.join(early)} was imported before it; call it first thing in the script "
-            "(those libraries decide whether DeepSpeed is there when they are imported), or run the script "
-            "unchanged with `python -m zfunc.compat.as_deepspeed script.py` (torchrun: `-m zfunc.compat.as_deepspeed`)")
-    sys.path.insert(0, PATH)
-    importlib.invalidate_caches()
-    _accelerate_cpu_backend()
-
-
-def _accelerate_cpu_backend() -> None:
-    """Accelerate, with DeepSpeed on and no CUDA, finds no backend and counts one process: give
-    such a run (launched, so ``LOCAL_RANK`` is set) gloo, Accelerate's own CPU backend."""
-    try:
-        from accelerate.state import PartialState
-        from accelerate.utils import DistributedType
-    except ImportError:
-        return
-    prepare = PartialState._prepare_backend
-    if getattr(prepare, "_zfunc", False):
-        return
-
-    def _prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):  # noqa: ANN001, ANN202
-        found = prepare(self, cpu, sagemaker_dp, backend)
-        deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-        if found[0] is None and deepspeed and not cpu and int(os.environ.get("LOCAL_RANK", -1)) != -1:
-            return backend or "gloo", DistributedType.MULTI_CPU
-        return found
-
-    _prepare_backend._zfunc = True  # type: ignore[attr-defined]
-    PartialState._prepare_backend = _prepare_backend
+__all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m zfunc.compat.as_deepspeed script.py [args...]``: run the script with the
-    switch on, as ``python script.py [args...]`` would run it."""
+    """``python -m zfunc.compat.as_deepspeed script.py [args...]``."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         raise SystemExit(0 if argv else 2)
+    first = sys.path[0] if sys.path else None  # ``python -m`` put the working directory there
     as_deepspeed()
+    script_dir = os.path.dirname(os.path.abspath(argv[0]))
+    at = sys.path.index(PATH) + 1
+    if first in ("", os.getcwd()) and at < len(sys.path) and sys.path[at] == first:
+        sys.path[at] = script_dir  # where ``python script.py`` puts the script's directory
+    else:
+        sys.path.insert(at, script_dir)
     sys.argv = list(argv)
-    sys.path.insert(1, os.path.dirname(os.path.abspath(argv[0])))
     runpy.run_path(argv[0], run_name="__main__")
 
 

@@ -122,6 +122,14 @@ class Engine(ConfigAccessors, torch.nn.Module):
     @property
     def state(self) -> TrainState:
         """The `TrainState`; assign one (e.g. from functional code) to hand it back."""
+        return self._live()
+
+    def _live(self) -> TrainState:
+        """The state, or the error that says the engine was destroyed."""
+        if self._state is None:
+            raise RuntimeError(
+                "engine: destroy() was called (Accelerate's free_memory() calls it), so this engine holds no "
+                "state; its weights are back in engine.module: build a new engine with zfunc.initialize")
         return self._state
 
     @state.setter
@@ -201,9 +209,7 @@ class Engine(ConfigAccessors, torch.nn.Module):
     def _bound(self) -> Any:
         """The module bound to the state (for ``engine(x)`` and ``engine.module(x)``), with a real
         gradient accumulator behind the sinks when autograd is on (none is held between steps)."""
-        st = self._state
-        if st is None:
-            raise RuntimeError("engine: destroy() was called; build a new engine with zfunc.initialize")
+        st = self._live()
         if not torch.is_grad_enabled():
             return bind(st, self._sinks, donate=True, avg=self._avg)
         if is_released(st.grads):
@@ -219,7 +225,7 @@ class Engine(ConfigAccessors, torch.nn.Module):
         the loss divided by ``grad_accum`` (or as it is)."""
         self._check_scalar(loss, "backward")
         ga = self.cfg.grad_accum
-        seed = loss_scaled(self._state, torch.full_like(loss, 1.0 / ga if scale_wrt_gas else 1.0))
+        seed = loss_scaled(self._live(), torch.full_like(loss, 1.0 / ga if scale_wrt_gas else 1.0))
         with Average.seeded():  # the factor where gradients enter: 1 / world (the seed has the rest)
             loss.backward(seed, retain_graph=retain_graph)
         detached = loss.detach().reshape(()).float()
@@ -299,6 +305,7 @@ class Engine(ConfigAccessors, torch.nn.Module):
 
     def step(self, lr_kwargs: Mapping[str, Any] | None = None) -> None:
         """End a micro-step; at the accumulation boundary apply the optimizer step."""
+        self._live()
         if self._coalescing:
             raise RuntimeError("engine.step(): inside coalesce_grad_reduction(); call step() after the block")
         if lr_kwargs and self.cfg.lr_schedule is not None:
@@ -356,7 +363,7 @@ class Engine(ConfigAccessors, torch.nn.Module):
 
     def zero_grad(self) -> None:
         """Drop the gradients accumulated since the last step."""
-        if not is_released(self._state.grads):
+        if not is_released(self._live().grads):
             self._state.grads.zero_()
 
     def was_step_applied(self) -> bool:
@@ -366,26 +373,26 @@ class Engine(ConfigAccessors, torch.nn.Module):
     # -- counters and readings (reading a device value syncs) --------------------------------
     @property
     def global_steps(self) -> int:
-        return int(self._state.step.item())
+        return int(self._live().step.item())
 
     @property
     def skipped_steps(self) -> int:
-        return int(self._state.scaler.skipped.item())
+        return int(self._live().scaler.skipped.item())
 
     @property
     def loss_scale(self) -> float:
-        return self._state.scaler.scale.item()
+        return self._live().scaler.scale.item()
 
     def get_lr(self) -> list[float]:
         """The learning rate each group of ``optimizer.param_groups`` uses at the next applied step."""
         if self.cfg.lr_schedule is None:
             return [float(d["lr"]) for d in self.optimizer.param_groups]
-        lrs = learning_rates(self._state).tolist()
+        lrs = learning_rates(self._live()).tolist()
         return [lrs[g] for g in self.optimizer.index]
 
     def get_global_grad_norm(self) -> float:
         """The global gradient norm of the last step (unscaled, before clipping)."""
-        return self._state.metrics.grad_norm.item()
+        return self._live().metrics.grad_norm.item()
 
     # -- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: Any = None, client_state: Any = None,
@@ -430,6 +437,7 @@ class Engine(ConfigAccessors, torch.nn.Module):
         instead): ``load_module_strict=False`` and ``custom_load_fn``. Nothing is changed when a
         load is refused or fails.
         """
+        self._live()
         self._check_load_keywords(load_module_strict, load_optimizer_states, load_lr_scheduler_states,
                                   load_module_only, custom_load_fn)
         if tag is None:
@@ -495,13 +503,16 @@ class Engine(ConfigAccessors, torch.nn.Module):
     def module_state_dict(self) -> dict[str, torch.Tensor]:
         """The trained model's full state dict (parameters in the compute dtype, buffers), under
         the module's own keys, at every stage; gathers at stages 1-3 (call it on every rank). A
-        tied weight is one tensor under each of its names, as the module's own state dict has it."""
-        st = self._state
+        tied weight is one tensor under each of its names, as the module's own state dict has it;
+        non-persistent buffers are included (`save_16bit_model` leaves them out)."""
+        st = self._live()
         full = {n: t.to(st.cfg.compute_dtype) for n, t in full_params(st).items()}
         by_id = {id(p): n for n, p in self.module.named_parameters()}
         values = {**full, **st.frozen, **st.buffers}
+        by_id.update({id(b): n for n, b in self.module.named_buffers()})
         out, copies = {}, {}
-        for name, t in [*self.module.named_parameters(remove_duplicate=False), *self.module.named_buffers()]:
+        for name, t in [*self.module.named_parameters(remove_duplicate=False),
+                        *self.module.named_buffers(remove_duplicate=False)]:
             source = by_id.get(id(t), name)
             if source not in copies:
                 copies[source] = values[source].detach().clone()
@@ -511,7 +522,7 @@ class Engine(ConfigAccessors, torch.nn.Module):
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """DeepSpeed's: whether the config asks stage 3 to gather 16-bit weights when the model is
         saved (``zero_optimization.stage3_gather_16bit_weights_on_model_save``)."""
-        return isinstance(self.config, dict) and gather_16bit_on_save(self.config)
+        return not isinstance(self.config, Config) and gather_16bit_on_save(self.config)
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
                                              ) -> dict[str, torch.Tensor] | None:
@@ -521,37 +532,43 @@ class Engine(ConfigAccessors, torch.nn.Module):
         ``exclude_frozen_parameters``. A collective: call it on every rank."""
         if self.cfg.stage != 3:
             raise ValueError("this function requires ZeRO-3 mode")
+        sd = self._saved_state_dict(exclude_frozen_parameters)
+        return sd if self._state.group.rank == 0 else None
+
+    def _saved_state_dict(self, exclude_frozen_parameters: bool) -> dict[str, torch.Tensor]:
+        """`module_state_dict` as a saved model holds it: persistent buffers only, frozen
+        parameters left out on request."""
         sd = self.module_state_dict()
         keep = {n for n, _ in self.module.named_parameters(remove_duplicate=False)}
         keep |= {n for n, _ in _persistent_buffers(self.module)}
         if exclude_frozen_parameters:
             keep -= {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
-        if self._state.group.rank != 0:
-            return None
         return {n: t for n, t in sd.items() if n in keep}
 
-    def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin") -> bool:
-        """DeepSpeed's ``save_16bit_model``: `module_state_dict` written by rank 0 with ``torch.save``
-        (call on every rank; the weights are in the compute dtype: 16-bit under fp16/bf16)."""
-        sd = self.module_state_dict()
+    def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's ``save_16bit_model``: the module's state dict (parameters in the compute
+        dtype: 16-bit under fp16/bf16; persistent buffers) written by rank 0 with ``torch.save``,
+        loadable with ``module.load_state_dict(..., strict=True)`` (less the frozen parameters
+        with ``exclude_frozen_parameters``). Call on every rank. At stage 3 it saves whether or not
+        ``stage3_gather_16bit_weights_on_model_save`` is set (DeepSpeed writes nothing then)."""
+        sd = self._saved_state_dict(exclude_frozen_parameters)
         if self._state.group.rank == 0:
             os.makedirs(os.fspath(save_dir), exist_ok=True)
             torch.save(sd, os.path.join(os.fspath(save_dir), save_filename))
         comm.all_gather_object(None, self._state.group)  # barrier: the file is there
         return True
 
-    def hand_over(self) -> None:
-        """Give the module back, for a new engine to take it over (a second `zfunc.initialize`
-        of ``engine.module``, as DeepSpeed's engines share their module): the module's parameters
-        and buffers get this engine's current weights (parameters in the compute dtype, as
-        DeepSpeed's module holds them), then the engine is destroyed. A collective at stages 1-3
-        (it gathers the weights): the new `initialize` runs it on every rank."""
+    def _return_weights(self) -> None:
+        """Write the current weights into the module: trained parameters (the compute-dtype
+        values, each stored in the parameter's own dtype; a donated module gets its storage back),
+        frozen parameters and buffers. A collective at stages 1-3 (it gathers)."""
         sd = self.module_state_dict()
+        named = dict(self.module.named_parameters())
         with torch.no_grad():
             for name, buf in self.module.named_buffers():
                 if name in sd:
                     buf.copy_(sd[name])
-            named = dict(self.module.named_parameters())
             for name, p in named.items():
                 if name in self._state.frozen:
                     p.copy_(sd[name])
@@ -561,7 +578,6 @@ class Engine(ConfigAccessors, torch.nn.Module):
             for name, p in named.items():  # stages 0-2: the module viewed this engine's buffers
                 if name not in self._state.frozen:
                     p.data = sd[name].to(p.dtype).clone()
-        self.destroy()
 
     def empty_partition_cache(self) -> None:
         """DeepSpeed's: release the stage-3 parameters gathered and kept between uses. zfunc keeps
@@ -569,8 +585,15 @@ class Engine(ConfigAccessors, torch.nn.Module):
         so there is nothing to release."""
 
     def destroy(self) -> None:
-        """Release what the engine holds: zfunc's hooks leave the module and the state is dropped
-        (DeepSpeed's ``engine.destroy()``). The engine cannot train afterwards."""
+        """Release what the engine holds (DeepSpeed's ``engine.destroy()``, which Accelerate's
+        ``free_memory()`` calls): the current weights go back into ``engine.module`` (at stage 3
+        its parameters get storage again), zfunc's hooks leave the module and the state is
+        dropped, so a new `zfunc.initialize` of the module starts from where this one was, as
+        with DeepSpeed. A collective at stages 1-3 (it gathers the weights): call it on every
+        rank. The engine cannot train afterwards (its methods say so); a second call does nothing."""
+        if self._state is None:
+            return
+        self._return_weights()
         self._router.remove()
         if self._guard is not None:
             self._guard.remove()
@@ -581,7 +604,7 @@ class Engine(ConfigAccessors, torch.nn.Module):
 
 def _persistent_buffers(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, buffer)`` for the buffers a module's state dict holds (not the non-persistent ones)."""
-    for prefix, m in module.named_modules():
+    for prefix, m in module.named_modules(remove_duplicate=False):
         for name, buf in m.named_buffers(recurse=False):
             if buf is not None and name not in m._non_persistent_buffers_set:
                 yield (f"{prefix}.{name}" if prefix else name), buf

@@ -18,6 +18,7 @@ from zfunc.compat.engine import Engine
 from zfunc.compat.optimizer_view import plan_groups
 from zfunc.compat.schedulers import SCHEDULERS, OneCycle
 from zfunc.core.config import Config
+from zfunc.core.materialize import on_meta
 from zfunc.core.optim import OPTIMIZERS
 from zfunc.distributed import comm
 from zfunc.errors import ConfigError, DeepSpeedAssertion
@@ -96,9 +97,11 @@ def initialize(model: torch.nn.Module, config: Mapping[str, Any] | str | os.Path
         cls(types.SimpleNamespace(param_groups=[{"lr": 0.0, "betas": (0.9, 0.999)} for _ in range(groups)]),
             **params)
         lr_scheduler = functools.partial(cls, **params)
+    if torch.cuda.is_available() and not on_meta(model):  # DeepSpeed moves the module to its device
+        model.to(torch.device("cuda", torch.cuda.current_device()))
     previous = _engine_of(model)
     if previous is not None:  # DeepSpeed lets a second engine take a module over, weights and all
-        previous.hand_over()
+        previous.destroy()  # its weights go back into the module first
     engine = Engine(model, cfg, group=group, batch=batch, optimizer_groups=plan.dicts, lr_scheduler=lr_scheduler,
                     managed=managed, deepspeed_masters=not isinstance(config, Config), ds_config=ds)
     return engine, engine.optimizer, None, engine.lr_scheduler
@@ -114,7 +117,9 @@ def _engine_of(model: torch.nn.Module) -> Engine | None:
 
 def _deepspeed_keywords(config: Any, kwargs: dict[str, Any]) -> Any:
     """The config, after DeepSpeed's other `initialize` keywords are read or refused."""
-    config = kwargs.pop("config_params", config)
+    config_params = kwargs.pop("config_params", None)
+    if config is None:  # DeepSpeed's: config wins when both are given
+        config = config_params
     args = kwargs.pop("args", None)
     from_args = getattr(args, "deepspeed_config", None)
     if from_args is not None:
@@ -163,16 +168,20 @@ def _engine_scheduler(ds: dict[str, Any], lr_scheduler: Any) -> tuple[dict[str, 
     return {k: v for k, v in ds.items() if k != "scheduler"}, (cls, params)
 
 
-def init_distributed(dist_backend: str | None = None, **kwargs: Any) -> None:
+def init_distributed(dist_backend: str | None = None, timeout: Any = None, init_method: str | None = None,
+                     **kwargs: Any) -> None:
     """``deepspeed.init_distributed``: initialise the default process group from the
     environment (torchrun, the DeepSpeed launcher, Ray Train all set it); never twice.
+    ``timeout`` and ``init_method`` go to ``torch.distributed.init_process_group``; DeepSpeed's
+    other keywords (``distributed_port``, ``auto_mpi_discovery``, ``verbose``, ...) are read from
+    the environment by torch instead.
 
     Examples:
         >>> import zfunc
         >>> zfunc.init_distributed()      # a world of one: nothing to do
     """
-    del kwargs  # timeouts, ports: taken from the environment by torch
-    comm.init_from_env(dist_backend)
+    del kwargs
+    comm.init_from_env(dist_backend, timeout=timeout, init_method=init_method)
 
 
 def add_config_arguments(parser: Any) -> Any:

@@ -127,14 +127,15 @@ class GatheredParameters(contextlib.AbstractContextManager):
     def __enter__(self) -> GatheredParameters:
         from zfunc.compat.utils import _full, owned, owner_of
 
+        meta = [p for p in self.params if not owned(p) and p.is_meta]
+        if meta:  # checked before any parameter changes
+            raise ConfigError(
+                f"GatheredParameters: a parameter of shape {tuple(meta[0].shape)} is on the meta device (built "
+                "under zfunc.zero.Init) and no engine holds it yet, so it has no values; pass the model to "
+                "zfunc.initialize first, or build it without zero.Init (zfunc.as_deepspeed's deepspeed.zero.Init "
+                "builds it whole)")
         for p in self.params:
-            if not owned(p):
-                if p.is_meta:
-                    raise ConfigError(
-                        f"GatheredParameters: a parameter of shape {tuple(p.shape)} is on the meta device (built "
-                        "under zfunc.zero.Init) and no engine holds it yet, so it has no values; pass the model to "
-                        "zfunc.initialize first, or build it without zero.Init (zfunc.as_deepspeed's "
-                        "deepspeed.zero.Init builds it whole)")
+            if not owned(p):  # whole already
                 continue
             engine, name = owner_of(p)
             st = engine.state
@@ -159,7 +160,7 @@ class GatheredParameters(contextlib.AbstractContextManager):
                 for p in self.params:
                     if not owned(p):  # a model no engine holds yet: whole on every rank
                         if comm.world().size > 1:
-                            comm.broadcast_(p.data, self.modifier_rank)
+                            _broadcast_host(p.data, self.modifier_rank)
                         continue
                     engine, name = owner_of(p)
                     st = engine.state
@@ -181,6 +182,19 @@ class GatheredParameters(contextlib.AbstractContextManager):
             for p, data, _ in self._restore:
                 p.data = data
             self._restore = []
+
+
+def _broadcast_host(t: torch.Tensor, src: int) -> None:
+    """Rank ``src``'s ``t`` into ``t`` on every rank of the world; a host tensor under NCCL
+    travels through the current CUDA device (NCCL moves device memory only)."""
+    from zfunc.distributed import comm
+
+    if t.device.type == "cpu" and torch.distributed.get_backend() == "nccl":
+        on_device = t.to(torch.cuda.current_device())
+        comm.broadcast_(on_device, src)
+        t.copy_(on_device)
+    else:
+        comm.broadcast_(t, src)
 
 
 def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:

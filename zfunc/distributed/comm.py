@@ -112,8 +112,9 @@ class Group:
         return f"Group(rank={self.rank}, size={self.size})"
 
 
-def init_from_env(backend: str | None = None) -> bool:
-    """Initialise the default process group from torchrun's variables if they are set.
+def init_from_env(backend: str | None = None, timeout: Any = None, init_method: str | None = None) -> bool:
+    """Initialise the default process group from torchrun's variables if they are set
+    (``timeout``: a ``datetime.timedelta``, torch's default when ``None``).
 
     Returns whether a process group is initialised afterwards. Never initialises twice.
     """
@@ -121,7 +122,8 @@ def init_from_env(backend: str | None = None) -> bool:
         return True
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        dist.init_process_group(backend=backend)
+        extra = {k: v for k, v in (("timeout", timeout), ("init_method", init_method)) if v is not None}
+        dist.init_process_group(backend=backend, **extra)
         return True
     return False
 
