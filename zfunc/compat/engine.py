@@ -40,8 +40,9 @@ from zfunc.io.checkpoint import agree, exists, load, read_extra, save
 from zfunc.io.deepspeed_checkpoint import is_deepspeed_checkpoint, read_deepspeed
 from zfunc.core.config import Config
 from zfunc.compat.engine_config import ConfigAccessors
-from zfunc.core.create import full_params, init, masters_from_compute
-from zfunc.compat.deepspeed_config import BatchSizes, gather_16bit_on_save
+from zfunc.compat.engine_weights import WeightsOut
+from zfunc.core.create import init, masters_from_compute
+from zfunc.compat.deepspeed_config import BatchSizes
 from zfunc.errors import CheckpointError, ConfigError, DeepSpeedAssertion
 from zfunc.autograd.forward_gather import settle
 from zfunc.compat.utils import register as register_params
@@ -52,7 +53,7 @@ from zfunc.core.update import apply_step, learning_rates, set_hyperparams
 __all__ = ["Engine"]
 
 
-class Engine(ConfigAccessors, torch.nn.Module):
+class Engine(ConfigAccessors, WeightsOut, torch.nn.Module):
     """A DeepSpeed-compatible engine: ``engine(x)``, ``engine.backward(loss)``, ``engine.step()``.
 
     Like DeepSpeed's, the engine is an ``nn.Module`` wrapping the user's (``engine.module``):
@@ -500,85 +501,6 @@ class Engine(ConfigAccessors, torch.nn.Module):
         stateful = hasattr(sched, "state_dict") and hasattr(sched, "load_state_dict")
         return sched.state_dict() if stateful else None
 
-    def module_state_dict(self) -> dict[str, torch.Tensor]:
-        """The trained model's full state dict (parameters in the compute dtype, buffers), under
-        the module's own keys, at every stage; gathers at stages 1-3 (call it on every rank). A
-        tied weight is one tensor under each of its names, as the module's own state dict has it;
-        non-persistent buffers are included (`save_16bit_model` leaves them out)."""
-        st = self._live()
-        full = {n: t.to(st.cfg.compute_dtype) for n, t in full_params(st).items()}
-        by_id = {id(p): n for n, p in self.module.named_parameters()}
-        values = {**full, **st.frozen, **st.buffers}
-        by_id.update({id(b): n for n, b in self.module.named_buffers()})
-        out, copies = {}, {}
-        for name, t in [*self.module.named_parameters(remove_duplicate=False),
-                        *self.module.named_buffers(remove_duplicate=False)]:
-            source = by_id.get(id(t), name)
-            if source not in copies:
-                copies[source] = values[source].detach().clone()
-            out[name] = copies[source]
-        return out
-
-    def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        """DeepSpeed's: whether the config asks stage 3 to gather 16-bit weights when the model is
-        saved (``zero_optimization.stage3_gather_16bit_weights_on_model_save``)."""
-        return not isinstance(self.config, Config) and gather_16bit_on_save(self.config)
-
-    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
-                                             ) -> dict[str, torch.Tensor] | None:
-        """DeepSpeed's, which Hugging Face and Accelerate call to save a stage-3 model: the full
-        weights in the compute dtype on rank 0 (``None`` on the others), a tied weight one tensor
-        under each of its names, persistent buffers, trainable parameters only when
-        ``exclude_frozen_parameters``. A collective: call it on every rank."""
-        if self.cfg.stage != 3:
-            raise ValueError("this function requires ZeRO-3 mode")
-        sd = self._saved_state_dict(exclude_frozen_parameters)
-        return sd if self._state.group.rank == 0 else None
-
-    def _saved_state_dict(self, exclude_frozen_parameters: bool) -> dict[str, torch.Tensor]:
-        """`module_state_dict` as a saved model holds it: persistent buffers only, frozen
-        parameters left out on request."""
-        sd = self.module_state_dict()
-        keep = {n for n, _ in self.module.named_parameters(remove_duplicate=False)}
-        keep |= {n for n, _ in _persistent_buffers(self.module)}
-        if exclude_frozen_parameters:
-            keep -= {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
-        return {n: t for n, t in sd.items() if n in keep}
-
-    def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin",
-                         exclude_frozen_parameters: bool = False) -> bool:
-        """DeepSpeed's ``save_16bit_model``: the module's state dict (parameters in the compute
-        dtype: 16-bit under fp16/bf16; persistent buffers) written by rank 0 with ``torch.save``,
-        loadable with ``module.load_state_dict(..., strict=True)`` (less the frozen parameters
-        with ``exclude_frozen_parameters``). Call on every rank. At stage 3 it saves whether or not
-        ``stage3_gather_16bit_weights_on_model_save`` is set (DeepSpeed writes nothing then)."""
-        sd = self._saved_state_dict(exclude_frozen_parameters)
-        if self._state.group.rank == 0:
-            os.makedirs(os.fspath(save_dir), exist_ok=True)
-            torch.save(sd, os.path.join(os.fspath(save_dir), save_filename))
-        comm.all_gather_object(None, self._state.group)  # barrier: the file is there
-        return True
-
-    def _return_weights(self) -> None:
-        """Write the current weights into the module: trained parameters (the compute-dtype
-        values, each stored in the parameter's own dtype; a donated module gets its storage back),
-        frozen parameters and buffers. A collective at stages 1-3 (it gathers)."""
-        sd = self.module_state_dict()
-        named = dict(self.module.named_parameters())
-        with torch.no_grad():
-            for name, buf in self.module.named_buffers():
-                if name in sd:
-                    buf.copy_(sd[name])
-            for name, p in named.items():
-                if name in self._state.frozen:
-                    p.copy_(sd[name])
-        if self._router.donated:
-            self._router.give_back(sd)
-        else:
-            for name, p in named.items():  # stages 0-2: the module viewed this engine's buffers
-                if name not in self._state.frozen:
-                    p.data = sd[name].to(p.dtype).clone()
-
     def empty_partition_cache(self) -> None:
         """DeepSpeed's: release the stage-3 parameters gathered and kept between uses. zfunc keeps
         none (each unit's gathered buffer is freed after its module has run, forward and backward),
@@ -600,14 +522,6 @@ class Engine(ConfigAccessors, torch.nn.Module):
         self._destroyed = True
         self._state = None  # type: ignore[assignment]
         self._sinks = []
-
-
-def _persistent_buffers(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, buffer)`` for the buffers a module's state dict holds (not the non-persistent ones)."""
-    for prefix, m in module.named_modules(remove_duplicate=False):
-        for name, buf in m.named_buffers(recurse=False):
-            if buf is not None and name not in m._non_persistent_buffers_set:
-                yield (f"{prefix}.{name}" if prefix else name), buf
 
 
 def _check_hyper_everywhere(state: TrainState) -> None:
