@@ -35,7 +35,8 @@ def test_the_switch_serves_deepspeed_from_zfunc():
         zfunc.as_deepspeed()
         sys.path.insert(0, "/nonexistent")
         zfunc.as_deepspeed()  # again: nothing more, whatever came first on sys.path since
-        import deepspeed, deepspeed.comm, deepspeed.zero, deepspeed.runtime.engine
+        import deepspeed, deepspeed.comm, deepspeed.zero, deepspeed.runtime.engine, deepspeed.moe.utils
+        import deepspeed.checkpointing, deepspeed.utils.logging, deepspeed.runtime.zero.partition_parameters
         from deepspeed.accelerator import get_accelerator
         from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
         from deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES
@@ -43,6 +44,8 @@ def test_the_switch_serves_deepspeed_from_zfunc():
         assert deepspeed.DeepSpeedEngine is deepspeed.runtime.engine.DeepSpeedEngine is zfunc.Engine
         assert deepspeed.zero.GatheredParameters is zfunc.zero.GatheredParameters
         assert deepspeed.utils.safe_get_full_grad is zfunc.utils.safe_get_full_grad
+        assert deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer is \
+            zfunc.moe.utils.split_params_into_different_moe_groups_for_optimizer
         assert "WarmupDecayLR" in VALID_LR_SCHEDULES
         print(importlib.metadata.version("deepspeed"), deepspeed.__version__, get_accelerator().device_name())
     """)

@@ -2,10 +2,10 @@
 ``init_distributed``, ``add_config_arguments``, ``DeepSpeedEngine``, ``zero``, ``comm``,
 ``utils``, ``moe``. This is not DeepSpeed: a name DeepSpeed has and zfunc does not is absent."""
 
-from zfunc import add_config_arguments, init_distributed, initialize, moe
+from zfunc import add_config_arguments, init_distributed, initialize
 from zfunc.compat.engine import Engine as DeepSpeedEngine
 
-from deepspeed import accelerator, checkpoint, checkpointing, comm, launcher, runtime, utils, zero
+from deepspeed import accelerator, checkpoint, checkpointing, comm, launcher, moe, runtime, utils, zero
 
 __version__ = "0.19.8"
 __version_major__, __version_minor__, __version_patch__ = 0, 19, 8
