@@ -97,11 +97,11 @@ def initialize(model: torch.nn.Module, config: Mapping[str, Any] | str | os.Path
         cls(types.SimpleNamespace(param_groups=[{"lr": 0.0, "betas": (0.9, 0.999)} for _ in range(groups)]),
             **params)
         lr_scheduler = functools.partial(cls, **params)
-    if torch.cuda.is_available() and not on_meta(model):  # DeepSpeed moves the module to its device
-        model.to(torch.device("cuda", torch.cuda.current_device()))
     previous = _engine_of(model)
     if previous is not None:  # DeepSpeed lets a second engine take a module over, weights and all
         previous.destroy()  # its weights go back into the module first
+    if torch.cuda.is_available() and not on_meta(model):  # DeepSpeed moves the module to its device
+        model.to(torch.device("cuda", torch.cuda.current_device()))
     engine = Engine(model, cfg, group=group, batch=batch, optimizer_groups=plan.dicts, lr_scheduler=lr_scheduler,
                     managed=managed, deepspeed_masters=not isinstance(config, Config), ds_config=ds)
     return engine, engine.optimizer, None, engine.lr_scheduler
