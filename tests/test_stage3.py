@@ -166,7 +166,7 @@ def test_a_donated_module_is_freed_and_guarded():
     model = Stack(2)
     zfunc.init(model, zfunc.Config(stage=3, persist_threshold=0), donate=True)
     assert all(p.numel() == 0 for p in model.parameters())  # the shards are the parameters now
-    with pytest.raises(RuntimeError, match="donated to a zfunc state"):
+    with pytest.raises(RuntimeError, match="live in a zfunc state"):
         model.blocks[0](torch.ones(1, 32))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -218,7 +220,7 @@ def test_state_is_a_pytree_in_the_zfunc_namespace():
 
 
 def _copies(rank: int, stage: int, how: str) -> tuple[bool, bool]:
-    """A state copied (deepcopy, or pickle at world 1) after one step trains bit for bit as the
+    """A state copied (deepcopy, or pickle) after one step trains bit for bit as the
     original, with activation checkpointing, apart from it (stepping the copy leaves it as it was)."""
     import copy
     import pickle
@@ -248,7 +250,7 @@ def _copies(rank: int, stage: int, how: str) -> tuple[bool, bool]:
 
 def test_a_copied_or_pickled_state_trains_like_the_original():
     for stage in (0, 1, 2, 3):
-        for world, how in ((1, "deepcopy"), (2, "deepcopy"), (1, "pickle")):
+        for world, how in ((1, "deepcopy"), (2, "deepcopy"), (1, "pickle"), (2, "pickle")):
             for rank, (untouched, same) in enumerate(run_ranks(_copies, world, stage, how)):
                 case = f"stage {stage} world {world} {how} rank {rank}"
                 assert untouched, f"{case}: training the copy changed the original"
@@ -308,3 +310,94 @@ def test_replace_checks_each_tensor_against_its_field():
     with pytest.raises(ValueError, match=r"replace: compute .* bfloat16"):
         state.replace(compute=state.compute.bfloat16())
     assert state.replace(params=state.params.clone()).params.shape == state.params.shape
+
+
+def _value_like(rank: int, stage: int, shard_size: int | None) -> dict[str, bool]:
+    """The static part of a state is the same value across a copy, the micro-batches of a step
+    and the step itself, so ``zfunc.tree.map`` combines any two (an EMA of two states)."""
+    import copy
+
+    units = ["a", "out"] if stage == 3 else None
+    cfg = zfunc.Config(stage=stage, grad_accum=2, units=units, persist_threshold=0, shard_size=shard_size,
+                       optimizer=zfunc.adamw(lr=0.1))
+    torch.manual_seed(0)
+    model = MODELS["zoo"][0]()
+    state = zfunc.init(model, cfg)
+    twin = copy.deepcopy(state)
+    first, _ = zfunc.backward_step(state, zoo_loss, zoo_batch(0, rank, 2))
+    last, _ = zfunc.backward_step(first, zoo_loss, zoo_batch(1, rank, 2))  # reduces at stages 0-1 (Fold)
+    after = zfunc.apply_step(last)
+    states = [state, twin, first, last, after]
+    _, spec = zfunc.tree.flatten(state)
+    same_spec = all(zfunc.tree.flatten(s)[1] == spec for s in states)
+    mapped = all(zfunc.tree.map(lambda a, b: b, state, s).step is s.step for s in states)
+    ema = zfunc.tree.map(lambda a, b: (a + b) / 2 if a.is_floating_point() and a.shape == b.shape else a, state, after)
+    return {"same_spec": same_spec, "mapped": mapped,
+            "ema": torch.equal(ema.params, (state.params + after.params) / 2),
+            "module_shared": twin.module is model and twin.binding is state.binding,
+            "tensors_own": twin.params.data_ptr() != state.params.data_ptr(),
+            "reduced_leaf": ("reduced",) in set(zfunc.tree.paths(state))}
+
+
+def test_tree_map_works_across_copies_micro_batches_and_steps():
+    for world, shard_size in ((1, None), (2, None), (2, 1)):
+        for stage in (0, 1, 2, 3) if shard_size is None else (1, 2, 3):
+            for rank, checks in enumerate(run_ranks(_value_like, world, stage, shard_size)):
+                failed = [k for k, ok in checks.items() if not ok]
+                assert not failed, f"stage {stage} world {world} shard_size {shard_size} rank {rank}: {failed}"
+
+
+def _pickled(rank: int, stage: int) -> dict[str, Any]:
+    """Each rank pickles its state; the pickle carries the module as code (meta tensors) and the
+    groups by ranks; unpickled on its rank it is equal in structure, on another rank refused."""
+    import pickle
+
+    import torch.distributed as dist
+
+    units = ["a", "out"] if stage == 3 else None
+    torch.manual_seed(0)
+    state = zfunc.init(MODELS["zoo"][0](), zfunc.Config(stage=stage, units=units, persist_threshold=0))
+    blob = pickle.dumps(state)
+    leaf_bytes = sum(t.untyped_storage().nbytes() for t in zfunc.tree.leaves(state))
+    back = pickle.loads(blob)
+    blobs = [None] * dist.get_world_size()
+    dist.all_gather_object(blobs, blob)
+    try:
+        pickle.loads(blobs[1 - rank])
+        other = ""
+    except RuntimeError as e:
+        other = str(e)
+    refused = ""
+    try:
+        back.module(torch.ones(1, 5), torch.tensor(False))
+    except RuntimeError as e:
+        refused = str(e)
+    return {"meta": all(t.is_meta for t in back.module.parameters()) and all(t.is_meta for t in back.module.buffers()),
+            "size": len(blob) - leaf_bytes, "mesh": back.mesh == state.mesh and back.mesh is state.mesh,
+            "other": other, "refused": refused}
+
+
+def test_pickle_at_world_2_carries_no_weights_and_resolves_the_ranks():
+    for stage in (0, 1, 2, 3):
+        for rank, out in enumerate(run_ranks(_pickled, 2, stage)):
+            case = f"stage {stage} rank {rank}"
+            assert out["meta"], f"{case}: the unpickled module holds weights"
+            assert out["size"] < 64_000, f"{case}: the pickle carries {out['size']} bytes beyond the state's tensors"
+            assert out["mesh"], f"{case}: the unpickled state talks over other groups"
+            assert f"sharded over global ranks [0, 1] (its rank {1 - rank}" in out["other"], (case, out["other"])
+            assert "zfunc.load to reshard" in out["other"], (case, out["other"])
+            assert "came with an unpickled state" in out["refused"], (case, out["refused"])
+
+
+def test_a_state_pickled_in_a_world_unpickles_nowhere_else():
+    import pickle
+
+    blob = run_ranks(_pickle_blob, 2)[0]
+    with pytest.raises(RuntimeError, match=r"sharded over global ranks \[0, 1\].*a process with no process group"):
+        pickle.loads(blob)
+
+
+def _pickle_blob(rank: int) -> bytes:
+    import pickle
+
+    return pickle.dumps(zfunc.init(nn.Linear(3, 2), zfunc.Config(stage=2)))

@@ -63,8 +63,9 @@ def was_donated(module: torch.nn.Module) -> bool:
 
 def _refuse_donated(module: torch.nn.Module) -> None:
     raise RuntimeError(
-        f"{type(module).__name__} was donated to a zfunc state (init(..., donate=True)): its parameters live "
-        "in the state now. Run it through zfunc (backward_step, vjp, train_step or the engine), or read the "
+        f"{type(module).__name__} has no parameters of its own: they live in a zfunc state (the module was "
+        "given to init(..., donate=True), or came with an unpickled state, which carries the module as code "
+        "only). Run it through zfunc (backward_step, vjp, train_step or the engine), or read the "
         "weights with zfunc.full_params")
 
 
@@ -385,16 +386,27 @@ class ModuleBinding:
             tensors[name] = entries[attr]  # a buffer the module reassigned is its new value
         put_back(swapped)
 
-    def plain_module(self, memo: dict[int, Any] | None = None) -> torch.nn.Module:
-        """A deep copy of the module without zfunc's hooks (``memo``: `copy.deepcopy`'s).
+    def skeleton(self) -> torch.nn.Module:
+        """A copy of the module as code: its submodules, attributes and the user's own hooks,
+        every parameter and buffer a tensor on the ``meta`` device of its shape and dtype (a
+        trained parameter of its slot's shape, donated or not), tied ones still tied; zfunc's
+        hooks left out. What a pickled state carries: never the weights, which are the state's.
 
         Examples:
             >>> import torch, zfunc
             >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2))
             >>> state = zfunc.init(model, zfunc.Config(stage=3, units=["0"], persist_threshold=0))
-            >>> len(model[0]._forward_pre_hooks), len(state.binding.plain_module()[0]._forward_pre_hooks)
-            (1, 0)
+            >>> code = state.binding.skeleton()
+            >>> code[0].weight.device, code[0].weight.shape, len(code[0]._forward_pre_hooks)
+            (device(type='meta'), torch.Size([2, 2]), 0)
         """
+        shapes = {s.name: s.shape for u in self.layout.units for s in u.slots}
+        memo: dict[int, Any] = {}
+        for name, p in self.module.named_parameters():
+            like = torch.empty(shapes.get(name, p.shape), dtype=p.dtype, device="meta")
+            memo[id(p)] = torch.nn.Parameter(like, requires_grad=p.requires_grad)
+        for b in self.module.buffers():
+            memo[id(b)] = torch.empty_like(b, device="meta")
         ours = {h.id for h in self._handles}
         if self.donated:
             ours.update(h.id for h in self._refusing)
@@ -407,12 +419,15 @@ class ModuleBinding:
         return out
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ModuleBinding:
-        """A binding of its own over a copy of the module: a copied state trains apart from this one."""
-        return _rebuilt(self.plain_module(memo), copy.deepcopy(self.layout, memo), self.stage, self._units,
-                        self.donated)
+        """The binding itself: the module is code, shared by a state and its copies (as flax
+        shares ``apply_fn``); the copy's tensors are its own, so it trains apart, and
+        ``zfunc.tree.map`` works across the two."""
+        return self
 
     def __reduce__(self) -> tuple:
-        return _rebuilt, (self.plain_module(), self.layout, self.stage, self._units, self.donated)
+        """Pickled as code (`skeleton`): the unpickled module has no weights of its own, so a
+        direct call of it is refused as a donated module's is."""
+        return _rebuilt, (self.skeleton(), self.layout, self.stage, self._units)
 
     def remove(self) -> None:
         """Take every hook zfunc added to the module away (a donated module stays empty)."""
@@ -435,10 +450,10 @@ class ModuleBinding:
             self._pending.add(call)
 
 
-def _rebuilt(module: torch.nn.Module, layout: Layout, stage: int, units: Sequence[tuple[str, Sequence[str]]],
-             donated: bool) -> ModuleBinding:
-    """A binding made afresh (a copied or unpickled state's), donated if the original was."""
+def _rebuilt(module: torch.nn.Module, layout: Layout, stage: int,
+             units: Sequence[tuple[str, Sequence[str]]]) -> ModuleBinding:
+    """An unpickled state's binding over the module's `ModuleBinding.skeleton`: direct calls of
+    it are refused (it has no weights; the state has them)."""
     binding = ModuleBinding(module, layout, stage, units)
-    if donated:
-        binding.donate()
+    binding.donate()
     return binding

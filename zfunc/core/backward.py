@@ -96,7 +96,7 @@ def record_micro(state: TrainState, grads: torch.Tensor, *, loss: torch.Tensor |
     if reduced and state.stage == 1:
         grads = grads.narrow(0, *state.layout.owned_start_len(state.layout.units[0]))
     return state.replace(grads=grads, micro_step=state.micro_step + micro_batches, loss_sum=state.loss_sum + value,
-                         buffers=state.buffers if buffers is None else buffers, reduced=reduced,
+                         buffers=state.buffers if buffers is None else buffers, reduced=host_flag(reduced),
                          gathered=host_flag(True) if forward else state.gathered)
 
 

@@ -437,7 +437,7 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
         loss_sum=scalar(0.0),
         metrics=Metrics(loss=scalar(float("nan")), grad_norm=scalar(0.0), loss_scale=scaler.scale.clone(),
                         skipped=scalar(0.0), lr=scalar(float("nan"))),
-        frozen=frozen, buffers=buffers, gathered=host_flag(True), binding=binding, cfg=cfg, layout=layout, mesh=mesh)
+        frozen=frozen, buffers=buffers, gathered=host_flag(True), reduced=host_flag(False), binding=binding, cfg=cfg, layout=layout, mesh=mesh)
     return state.replace(metrics=dataclasses.replace(state.metrics, lr=learning_rate(state)))  # step 0 uses it
 
 

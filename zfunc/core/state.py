@@ -209,10 +209,6 @@ class TrainState:
         grads: the gradient accumulator: this rank's arena where backward reduce-scatters
             (`Config.shards_grads`: stages 2-3, and stage 1 at ``grad_accum=1``), else full.
             Between optimizer steps it is released (`released_grads`: zeros that hold no memory).
-        reduced: ``grads`` holds the step's reduced gradient already (this rank's shard at stage 1,
-            the all-reduced sum at stage 0): the step's last micro-batch reduced it during its
-            backward (`zfunc.autograd.buckets.Fold`), so `zfunc.apply_step` does not reduce again. Host
-            metadata, False except between that micro-batch and the step.
         opt: `Config.optimizer`'s state record (`AdamState`, `SGDState`, `LionState`,
             `AdagradState`, `MuonState`), its moments shaped like ``params`` (packed over its own
             groups' elements when some `zfunc.ParamGroup` has an optimizer of its own).
@@ -235,6 +231,11 @@ class TrainState:
             1-2 with ``Config.units`` between `zfunc.apply_step` and the next forward, which
             gathers the other slices unit by unit as its modules run (`zfunc.autograd.forward_gather`); until
             then they hold earlier values. `zfunc.settle` gathers them at once.
+        reduced: a bool on the host: ``grads`` holds the step's reduced gradient already (this
+            rank's shard at stage 1, the all-reduced sum at stage 0): the step's last micro-batch
+            reduced it during its backward (`zfunc.autograd.buckets.Fold`), so `zfunc.apply_step`
+            does not reduce again. False except between that micro-batch and the step. A leaf, so
+            the tree structure is the same at every micro-batch of a step.
         binding: the `zfunc.autograd.binding.ModuleBinding` (the module and the hooks zfunc put on it).
         mesh: the `zfunc.distributed.mesh.Mesh`: the world, the ranks the state is sharded over, and the
             replicas of each shard (``Config.shard_size``).
@@ -263,11 +264,11 @@ class TrainState:
     frozen: dict[str, torch.Tensor]
     buffers: dict[str, torch.Tensor]
     gathered: torch.Tensor
+    reduced: torch.Tensor
     binding: ModuleBinding = field(pytree_node=False)
     cfg: Config = field(pytree_node=False)
     layout: Layout = field(pytree_node=False)
     mesh: Mesh = field(pytree_node=False)
-    reduced: bool = field(pytree_node=False, default=False)
 
     def replace(self, **changes: Any) -> TrainState:
         """A new state with ``changes``; the tensors not named are shared, not copied.
@@ -315,7 +316,8 @@ class TrainState:
 
 
 def host_flag(value: bool) -> torch.Tensor:
-    """A bool scalar on the host (`TrainState.gathered`): reading it never waits for a device."""
+    """A bool scalar on the host (`TrainState.gathered`, `TrainState.reduced`): reading it never
+    waits for a device."""
     return torch.tensor(value)
 
 

@@ -296,7 +296,7 @@ def apply_step(state: TrainState, *, donate: bool = False, micro_batches: int | 
                         opt=records[0], group_opts=tuple(records[1:]), scaler=scaler,
                         step=state.step + 1,
                         micro_step=torch.zeros_like(state.micro_step), loss_sum=torch.zeros_like(state.loss_sum),
-                        metrics=metrics, reduced=False, gathered=host_flag(gathered))
+                        metrics=metrics, reduced=host_flag(False), gathered=host_flag(gathered))
     if donate:
         new = donate_(state, "apply_step", new, ("params", "compute", "opt", "group_opts", "grads"))
     return new

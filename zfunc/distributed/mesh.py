@@ -21,7 +21,7 @@ import torch.distributed as dist
 from zfunc.distributed.comm import Group
 from zfunc.errors import ConfigError
 
-__all__ = ["Mesh", "make_mesh", "shard_ranks"]
+__all__ = ["Mesh", "make_mesh", "resolve", "shard_ranks"]
 
 _CACHE: dict[tuple[Any, ...], tuple[Any, Mesh]] = {}  # by world: (the default group, its mesh)
 # The process groups a cached mesh made are let go of before the interpreter tears down: a gloo
@@ -52,6 +52,22 @@ class Mesh:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Mesh:
         return self  # it names process groups: a copied state talks over the same ones
+
+    def key(self) -> tuple[tuple[int, ...], int, int]:
+        """What the mesh is, by value: the world's global ranks, this rank's place among them,
+        and the shard size. Two meshes with one key talk over the same ranks the same way."""
+        return tuple(_ranks(self.world)), self.world.rank, self.shard.size
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, Mesh) and self.key() == other.key())
+
+    def __hash__(self) -> int:
+        return hash(self.key())
+
+    def __reduce__(self) -> tuple:
+        """Pickled by ranks, never by process group: unpickling finds the groups again in the
+        process's world (`resolve`)."""
+        return resolve, self.key()
 
     @property
     def shard_size(self) -> int:
@@ -126,6 +142,37 @@ def make_mesh(world: Group, shard_size: int | None) -> Mesh:
                     replicas=Group(rank=me // k, size=n // k, pg=replicas))
     _CACHE[key] = (dist.group.WORLD, mesh)
     return mesh
+
+
+def resolve(ranks: tuple[int, ...], rank: int, shard_size: int) -> Mesh:
+    """The mesh over the global ``ranks`` of this process's world, sharded by ``shard_size``, as
+    the rank at place ``rank`` among them sees it (what an unpickled state talks over).
+
+    Raises:
+        RuntimeError: this process is not that rank of such a world (a state pickled in another
+            world, or on another rank): it names both, and what to do instead.
+
+    Examples:
+        >>> resolve((0,), 0, 1)
+        Mesh(world=1, shard=1, replicas=1)
+    """
+    if len(ranks) == 1:
+        return make_mesh(Group(rank=0, size=1), 1)
+    here = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+    world = dist.get_world_size() if here is not None else 1
+    if here == ranks[rank]:
+        if tuple(range(world)) == tuple(ranks):
+            from zfunc.distributed.comm import world as default_world
+            return make_mesh(default_world(), shard_size)
+        for _, mesh in _CACHE.values():  # a state over part of the world: a group made already
+            if mesh.key() == (tuple(ranks), rank, shard_size):
+                return mesh
+    where = f"global rank {here} of a world of {world}" if here is not None else "a process with no process group"
+    raise RuntimeError(
+        f"this state was sharded over global ranks {list(ranks)} (its rank {ranks[rank]}, shard size {shard_size}); "
+        f"it is unpickled in {where}. Unpickle each rank's state on that rank of a world with those ranks "
+        "(under torchrun, after torch.distributed is initialised; a state over part of the world after zfunc.init "
+        "made its groups), or save with zfunc.save and load with zfunc.load to reshard onto another world")
 
 
 def _p2p_groups(world: Group, ranks: list[int], k: int) -> list[Any]:

@@ -460,7 +460,7 @@ def _assemble(like: TrainState, roles: dict[str, torch.Tensor], s: dict[str, tor
     opts = [opt.state_class(**{n: opt_state.pack(roles[_role(k, n)], runs) for n in opt.moments},
                             count=s[_count_key(k)])
             for k, (opt, runs) in enumerate(zip(opt_state.optimizers(cfg), opt_state.runs(cfg, like.layout)))]
-    return like.replace(params=master, compute=compute, gathered=host_flag(True), grads=grads, reduced=False,
+    return like.replace(params=master, compute=compute, gathered=host_flag(True), grads=grads, reduced=host_flag(False),
                         opt=opts[0], group_opts=tuple(opts[1:]), **records, step=s["step"], micro_step=s["micro_step"],
                         loss_sum=s["loss_sum"], frozen={n: frozen[n] for n in like.frozen},
                         buffers={n: frozen[n] for n in like.buffers})

@@ -310,7 +310,7 @@ def load_deepspeed(path: str | os.PathLike, like: Any, tag: str | None = None, *
     replicated = dict(frozen={n: held[n].to(t.device, t.dtype) for n, t in like.frozen.items()},
                       buffers={n: held[n].to(t.device, t.dtype) for n, t in like.buffers.items()})
     if weights_only:
-        return like.replace(params=master, compute=compute, gathered=host_flag(True), reduced=False,
+        return like.replace(params=master, compute=compute, gathered=host_flag(True), reduced=host_flag(False),
                             grads=released_grads(accumulator_numel(cfg, lay), cfg.grad_accum_dtype, dev),
                             micro_step=torch.zeros_like(like.micro_step), loss_sum=torch.zeros_like(like.loss_sum),
                             **replicated)
@@ -320,7 +320,7 @@ def load_deepspeed(path: str | os.PathLike, like: Any, tag: str | None = None, *
         moments = {k: v.pin_memory() for k, v in moments.items()}
     count = torch.tensor(ck.step, dtype=like.opt.count.dtype, device=like.opt.count.device)
     return like.replace(
-        params=master, compute=compute, gathered=host_flag(True), reduced=False,
+        params=master, compute=compute, gathered=host_flag(True), reduced=host_flag(False),
         grads=released_grads(accumulator_numel(cfg, lay), cfg.grad_accum_dtype, dev),
         opt=cfg.optimizer.state_class(**moments, count=count),
         step=torch.tensor(ck.global_steps, dtype=like.step.dtype, device=like.step.device),
