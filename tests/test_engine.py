@@ -382,6 +382,48 @@ def test_the_engine_is_a_module_wrapping_the_users_and_destroy_gives_it_back(sta
         engine(torch.randn(4, 3))
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_an_engine_dropped_without_destroy_goes_with_its_hooks(stage):
+    """Reference counting alone frees a dropped engine (no cycle through its optimizer, its
+    scheduler, the module's hooks or the state's sinks), and the hooks leave the module with it;
+    at stage 3 the module was donated (its weights lived in the engine), so it stays refusing
+    direct calls. The optimizer kept past its engine says what happened."""
+    import gc
+    import weakref
+
+    def hooks(m: nn.Module) -> int:
+        return sum(len(getattr(x, d)) for x in m.modules() for d in
+                   ("_forward_pre_hooks", "_forward_hooks", "_state_dict_pre_hooks"))
+
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+           "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}}
+    gc.collect()
+    gc.disable()
+    try:
+        model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+        engine, optimizer, _, scheduler = zfunc.initialize(model=model, config=cfg)
+        engine.backward(engine(torch.randn(2, 3)).square().mean())
+        engine.step()
+        assert hooks(model) > 0
+        gone = weakref.ref(engine)
+        del engine, _
+        assert gone() is None, "a dropped engine stayed alive"
+        # stage 3: the donated module's refusing hooks (the top module and the 3 holding parameters)
+        assert hooks(model) == (4 if stage == 3 else 0)
+        with pytest.raises(RuntimeError, match="the engine it belongs to was dropped"):
+            optimizer.zero_grad()
+        with pytest.raises(RuntimeError, match="the engine it belongs to was dropped"):
+            scheduler.get_lr()
+    finally:
+        gc.enable()
+    if stage < 3:
+        zfunc.initialize(model=model, config=cfg)  # the module is the user's again
+    else:
+        with pytest.raises(RuntimeError, match="live in a zfunc state"):
+            model(torch.randn(2, 3))
+
+
 def _sgd_engine_run(rank: int, extra: dict, backwards: int) -> list[torch.Tensor]:
     torch.manual_seed(0)
     engine, *_ = zfunc.initialize(model=nn.Linear(3, 2), config={

@@ -346,6 +346,10 @@ class ModuleBinding:
             lambda mod, args, kwargs, out: me()._route_out(out) if me() else None, with_kwargs=True,
             always_call=True))
 
+    def hold(self, handle: RemovableHandle) -> None:
+        """Another hook on the module that leaves it with the binding (the engine's own)."""
+        self._handles.append(handle)
+
     def _route_in(self, bound: Callable[[], BoundModel], args: tuple, kwargs: dict) -> Any:
         self._frames.append(None)
         if calls.current() is not None:  # zfunc's own call (functional_call) of the module

@@ -25,7 +25,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from collections.abc import Iterator, Mapping
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -46,7 +47,7 @@ from zfunc.compat.deepspeed_config import BatchSizes
 from zfunc.errors import CheckpointError, ConfigError, DeepSpeedAssertion
 from zfunc.autograd.forward_gather import settle
 from zfunc.compat.utils import register as register_params
-from zfunc.compat.optimizer_view import OptimizerView
+from zfunc.compat.optimizer_view import OptimizerView, engine_of
 from zfunc.core.state import TrainState, accumulator, is_released
 from zfunc.core.update import apply_step, learning_rates, set_hyperparams
 
@@ -107,8 +108,10 @@ class Engine(ConfigAccessors, WeightsOut, torch.nn.Module):
         # engine.module(x) is engine(x): calls of the module run on the state, gradients included.
         # The engine keeps the binding whose hooks route them (a state assigned later may have another).
         self._router = self._state.binding
-        self._router.route(self._bound)
+        self._router.route(_weakly(self, Engine._bound))
         self._guard = model.register_state_dict_pre_hook(_no_stage3_state_dict) if cfg.stage == 3 else None
+        if self._guard is not None:  # it leaves the module with the binding (dropped engine included)
+            self._router.hold(self._guard)
         self.optimizer = OptimizerView(self, optimizer_groups)
         if cfg.lr_schedule is not None:
             if lr_scheduler is not None:
@@ -142,7 +145,7 @@ class Engine(ConfigAccessors, WeightsOut, torch.nn.Module):
         self._fold: Fold | None = None  # the boundary's reduce in backward (stages 0-1), per step
         self._avg = Average(state.cfg.grad_accum, ranks_averaged(state))
         for sink in self._sinks:  # notes each backward that reaches the state (`_grad_arrived`)
-            sink.register_post_accumulate_grad_hook(self._grad_arrived)
+            sink.register_post_accumulate_grad_hook(_weakly(self, Engine._grad_arrived))
         self._tasks, self._losses = set(), []
         self._share_module_params()
         register_params(self)  # for zfunc.utils' accessors (DeepSpeed's deepspeed.utils)
@@ -524,6 +527,17 @@ class Engine(ConfigAccessors, WeightsOut, torch.nn.Module):
         self._sinks = []
 
 
+def _weakly(engine: Engine, method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` of ``engine`` for a hook to call, holding the engine weakly: a hook on the
+    user's module or on the state's sinks never keeps a dropped engine alive."""
+    ref = weakref.ref(engine)
+
+    def call(*args: Any) -> Any:
+        return method(engine_of(ref, "engine"), *args)
+
+    return call
+
+
 def _check_hyper_everywhere(state: TrainState) -> None:
     """Every rank continues with the same group hyperparameters (a rank's own edits of
     ``optimizer.param_groups`` kept by ``load_optimizer_states=False`` could differ): one small
@@ -561,7 +575,11 @@ class _SchedulerView:
     """What ``initialize`` returns as the scheduler; the engine advances it with applied steps."""
 
     def __init__(self, engine: Engine):
-        self._engine = engine
+        self._of = weakref.ref(engine)  # the engine holds this view, not the other way round
+
+    @property
+    def _engine(self) -> Engine:
+        return engine_of(self._of, "lr_scheduler")
 
     def get_lr(self) -> list[float]:
         return self._engine.get_lr()

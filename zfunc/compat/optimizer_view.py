@@ -12,6 +12,7 @@ state), so torch's ``LRScheduler``s can drive it.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -213,6 +214,16 @@ class _LocalState(Mapping):
         return len(self._params)
 
 
+def engine_of(ref: weakref.ref, what: str) -> Engine:
+    """The engine behind a weak reference a view of it holds (the optimizer and scheduler that
+    `zfunc.initialize` returns), or an error saying it was dropped."""
+    engine = ref()
+    if engine is None:
+        raise RuntimeError(f"{what}: the engine it belongs to was dropped (nothing held it any more); keep the engine "
+                           "that zfunc.initialize returned while its optimizer and scheduler are used")
+    return engine
+
+
 class OptimizerView(torch.optim.Optimizer):
     """The optimizer `zfunc.initialize` returns: live ``param_groups`` over the engine's state.
 
@@ -239,7 +250,7 @@ class OptimizerView(torch.optim.Optimizer):
     """
 
     def __init__(self, engine: Engine, dicts: list[dict[str, Any]] | None):
-        self._engine = engine
+        self._of = weakref.ref(engine)  # the engine holds this view, not the other way round
         hyper = engine.state.hyper
         if dicts is None:  # a dict per zfunc group holding parameters (one unless the config made groups)
             named, lay = dict(engine.module.named_parameters()), engine.state.layout
@@ -251,6 +262,10 @@ class OptimizerView(torch.optim.Optimizer):
         super().__init__([{"params": list(d["params"])} for d in dicts], {})
         self.param_groups = dicts
         self.write_back()
+
+    @property
+    def _engine(self) -> Engine:
+        return engine_of(self._of, "optimizer")
 
     def write_back(self) -> None:
         """Show the state's hyperparameters (and the learning rates a schedule computed) in the dicts."""
