@@ -10,7 +10,7 @@ into ``.grad``, ``zero_grad(set_to_none=True)``).
 
 Usage::
 
-    PYTHONPATH=. python benchmarks/overhead.py [--rounds 30] [--experts 256]
+    PYTHONPATH=. python benchmarks/overhead.py [--rounds 30] [--experts 256] [--checkpoint nonreentrant]
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import statistics
 import time
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 import zfunc
@@ -29,8 +30,9 @@ import zfunc
 class ExpertBank(nn.Module):
     """``experts`` two-layer MLPs, each on its own slice of the tokens."""
 
-    def __init__(self, experts: int = 256, d: int = 16, hidden: int = 32):
+    def __init__(self, experts: int = 256, d: int = 16, hidden: int = 32, checkpoint: str | None = None):
         super().__init__()
+        self.checkpoint = checkpoint  # None, "reentrant" or "nonreentrant": each expert recomputed in backward
         self.inp = nn.Linear(d, d)
         self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, hidden), nn.ReLU(), nn.Linear(hidden, d))
                                      for _ in range(experts))
@@ -39,7 +41,12 @@ class ExpertBank(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
         parts = torch.chunk(h, len(self.experts))
-        return self.out(torch.cat([e(p) for e, p in zip(self.experts, parts)]))
+        if self.checkpoint is None:
+            outs = [e(p) for e, p in zip(self.experts, parts)]
+        else:
+            reentrant = self.checkpoint == "reentrant"
+            outs = [torch.utils.checkpoint.checkpoint(e, p, use_reentrant=reentrant) for e, p in zip(self.experts, parts)]
+        return self.out(torch.cat(outs))
 
 
 def loss_fn(model, x: torch.Tensor) -> torch.Tensor:
@@ -50,10 +57,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--checkpoint", choices=["reentrant", "nonreentrant"], default=None,
+                    help="each expert under torch.utils.checkpoint, for every contender (torch's included)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = ExpertBank(args.experts)
+    model = ExpertBank(args.experts, checkpoint=args.checkpoint)
     x = torch.randn(4 * args.experts, 16)
     n_params = len(list(model.parameters()))
 
@@ -81,7 +90,7 @@ def main() -> None:
     base = statistics.median(times["torch"])
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread, "
           f"{n_params} parameter tensors, {sum(p.numel() for p in model.parameters())} elements, "
-          f"{args.rounds} rounds")
+          f"{args.rounds} rounds, checkpointing: {args.checkpoint or 'none'}")
     print(f"{'contender':<16} {'median ms':>10} {'vs torch':>9}")
     for name, ts in times.items():
         med = statistics.median(ts)

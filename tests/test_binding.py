@@ -408,5 +408,5 @@ def test_state_is_data_and_zfunc_has_no_import_circle():
 
     for m in graph:
         visit(m, [m])
-    assert "zfunc.core.config" not in _imports(modules["zfunc.compat.deepspeed_config"])
+    assert "zfunc.core.config" not in _imports(modules["zfunc.core.deepspeed_config"])
     assert _imports(modules["zfunc.errors"]) == set()

@@ -14,7 +14,7 @@ import torch
 
 import zfunc
 import zfunc.core.backward
-import zfunc.autograd.widen
+import zfunc.distributed.widen
 from tests.helpers import MODELS, bitwise_equal, max_param_diff, reference_run, run_ranks, split
 from zfunc.core.backward import record_micro
 from zfunc.autograd.buckets import Fold
@@ -22,7 +22,7 @@ from zfunc.autograd.buckets import Fold
 TOL = 2e-6
 SMALL = 0.0002  # MiB: about 50 fp32 elements per bucket
 _ENDS_STEP = zfunc.core.backward._ends_step
-_WIDEN_MIN = zfunc.autograd.widen._MIN
+_WIDEN_MIN = zfunc.distributed.widen._MIN
 
 
 def _cfg(stage: int, grad_accum: int, bucket_mb: float = SMALL) -> zfunc.Config:
@@ -76,13 +76,13 @@ def test_boundary_reduce_matches_single_process_adamw(name, world, stage, grad_a
 
 
 def _bits(rank: int, stage: int, fold: bool, precision: str) -> list[torch.Tensor]:
-    import zfunc.autograd.widen
+    import zfunc.distributed.widen
 
-    zfunc.autograd.widen._MIN = 1  # bf16 gradients reach the accumulator through zfunc_kernels.accumulate
+    zfunc.distributed.widen._MIN = 1  # bf16 gradients reach the accumulator through zfunc_kernels.accumulate
     try:
         state, _, reduced = _train(rank, "zoo", stage, 3, fold=fold, steps=3, precision=precision)
     finally:
-        zfunc.autograd.widen._MIN = _WIDEN_MIN
+        zfunc.distributed.widen._MIN = _WIDEN_MIN
     assert reduced[-1][-1] == fold
     return [state.params, *zfunc.tree.leaves(state.opt)]
 

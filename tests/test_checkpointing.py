@@ -185,3 +185,65 @@ def test_kept_outputs_do_not_confuse_a_later_recomputation():
         plain = run_ranks(_kept_aux, 2, stage, None)
         for a, b in zip(plain, run_ranks(_kept_aux, 2, stage, "non_reentrant")):
             assert all(torch.equal(x, y) for x, y in zip(a, b)), stage
+
+
+def _grads_with(stage: int, ckpt: str, interfere: str | None) -> tuple[torch.Tensor, list[BaseException]]:
+    """One checkpointed micro-batch on a state that trained a step (its weights are not the
+    module's), with another thread running zfunc on the same module: in the middle of the
+    backward (``"during"``: a forward and backward of its own, before the recomputation), or at
+    the same time (``"concurrent"``: its own micro-batches)."""
+    import threading
+
+    units = ["blocks.0"] if stage == 3 else None
+    cfg = zfunc.Config(stage=stage, persist_threshold=0, units=units, optimizer=zfunc.adamw(lr=1e-1))
+    model = _model(ckpt)
+    state = zfunc.init(model, cfg)
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g))
+    state = zfunc.apply_step(zfunc.backward_step(state, _stack_loss, batch)[0])
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        for _ in range(1 if interfere == "during" else 5):
+            try:
+                zfunc.backward_step(state, _stack_loss, batch)
+            except RuntimeError as e:  # reported by the test
+                errors.append(e)
+
+    once: list[threading.Thread] = []
+
+    def hook(grad: torch.Tensor) -> None:
+        if interfere == "during" and not once:
+            once.append(threading.Thread(target=other))
+            once[0].start()
+            once[0].join()
+
+    handle = model.blocks[2].register_forward_hook(
+        lambda m, a, out: None if not out.requires_grad else (out.register_hook(hook), None)[1])
+    thread = threading.Thread(target=other) if interfere == "concurrent" else None
+    if thread is not None:
+        thread.start()
+    grads = []
+    for _ in range(5 if thread else 1):
+        try:
+            grads.append(zfunc.backward_step(state, _stack_loss, batch)[0].grads)
+        except RuntimeError as e:
+            errors.append(e)
+    if thread is not None:
+        thread.join()
+    handle.remove()
+    return torch.stack(grads) if grads else torch.empty(0), errors
+
+
+@pytest.mark.parametrize("ckpt", ["nonreentrant", "reentrant"])
+def test_zfunc_in_another_thread_gives_right_gradients_or_a_clear_error(ckpt):
+    """A zfunc call in another thread while a checkpointed backward is in flight leaves its
+    gradients exact; two threads running one module at once get exact gradients, or (where
+    their forwards overlap) an error that names the cause, never wrong numbers."""
+    for stage in (0, 2, 3):
+        alone, none = _grads_with(stage, ckpt, None)
+        during, errors = _grads_with(stage, ckpt, "during")
+        assert not none and not errors and torch.equal(during, alone), stage
+        both, errors = _grads_with(stage, ckpt, "concurrent")
+        assert all(torch.equal(g, alone[0]) for g in both), stage
+        assert all("in another thread now" in str(e) for e in errors), (stage, errors)

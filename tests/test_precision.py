@@ -140,10 +140,10 @@ def test_precision_errors():
 def test_bf16_gradients_accumulate_into_the_fp32_accumulator(stage, kernel, monkeypatch):
     # Stages 0-1 add each micro-batch's bf16 gradient to the fp32 accumulator in place (no fp32
     # copy of the whole gradient first; on the CPU through zfunc_kernels.accumulate from
-    # zfunc.autograd.widen._MIN elements on): torch's bf16 gradients summed in fp32, to the bit.
-    import zfunc.autograd.widen
+    # zfunc.distributed.widen._MIN elements on): torch's bf16 gradients summed in fp32, to the bit.
+    import zfunc.distributed.widen
 
-    monkeypatch.setattr(zfunc.autograd.widen, "_MIN", 1 if kernel else 1 << 62)
+    monkeypatch.setattr(zfunc.distributed.widen, "_MIN", 1 if kernel else 1 << 62)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     ref = copy.deepcopy(model).bfloat16()

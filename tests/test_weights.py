@@ -13,7 +13,7 @@ from torch import nn
 
 import zfunc
 from tests.helpers import bitwise_equal, run_ranks, snapshot
-from zfunc.io import weights as weights_module
+from zfunc.core import weights as weights_module
 from zfunc.models import GPT, GPTConfig
 from zfunc.models.gpt import Block
 

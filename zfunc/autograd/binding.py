@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -127,6 +128,11 @@ class ModuleBinding:
                 parent, _, attr = name.rpartition(".")
                 self.entries.append((getattr(modules[parent], kind), attr, name))
         self._frames: list[Any] = []
+        # The threads running the module for a zfunc call now (a forward, or a recomputation in
+        # backward), with their depth: torch puts a call's tensors in the module's own entries,
+        # so one thread at a time (`occupied`).
+        self._users: dict[int, int] = {}
+        self._users_lock = threading.Lock()
         # Unit parameters by name as the module holds them outside their unit's forward
         # (placeholders that refuse to compute), so the enclosing functional_call restores them.
         self.unit_params: dict[str, torch.Tensor] = {}
@@ -137,7 +143,7 @@ class ModuleBinding:
         # `UnitGatherer` at stage 3; each graph keeps its own), for a forward recomputed in
         # backward (`_source`), and what the recompute hooks swapped, per module.
         self._pending: weakref.WeakSet[Any] = weakref.WeakSet()
-        self._rebound: dict[int, list[list[tuple[torch.nn.Module, str, Any]]]] = {}
+        self._rebound: dict[tuple[int, int], list[list[tuple[torch.nn.Module, str, Any]]]] = {}  # by thread, module
         if stage == 3:
             self._install_unit_hooks([(i, u.name, [s.name for s in u.slots]) for i, u in enumerate(layout.units)
                                       if u.name != "root"])
@@ -145,6 +151,45 @@ class ModuleBinding:
             self.gather_plan = plan_gathers(layout, [names for _, names in units])
             self._install_unit_hooks([(i, name, names) for i, (name, names) in enumerate(units)])
         self._install_recompute_hooks()
+
+    def occupy(self) -> None:
+        """This thread starts running the module for a zfunc call (nested calls in one thread
+        count up). Another thread doing so now is an error, before anything starts: a call
+        puts its tensors in the module's entries (``functional_call``), which two threads
+        cannot share.
+
+        Raises:
+            RuntimeError: another thread runs the module for a zfunc call now.
+        """
+        me = threading.get_ident()
+        with self._users_lock:
+            if any(t != me for t in self._users):
+                raise RuntimeError(
+                    f"{type(self.module).__name__} runs in a zfunc call in another thread now (a forward, or a "
+                    "forward activation checkpointing recomputes in backward): a call puts its parameters in the "
+                    "module's own entries, as torch.func.functional_call does, so two threads cannot run one module "
+                    "at once. Run the calls one after another (a lock around them), or give each thread a module "
+                    "of its own (zfunc.init of a copy.deepcopy of the model)")
+            self._users[me] = self._users.get(me, 0) + 1
+
+    def release(self) -> None:
+        """This thread's `occupy` ends."""
+        me = threading.get_ident()
+        with self._users_lock:
+            left = self._users.get(me, 0) - 1
+            if left > 0:
+                self._users[me] = left
+            else:
+                self._users.pop(me, None)
+
+    @contextlib.contextmanager
+    def occupied(self) -> Iterator[None]:
+        """`occupy` for the block, `release` after it."""
+        self.occupy()
+        try:
+            yield
+        finally:
+            self.release()
 
     def buckets(self, state: TrainState) -> tuple[Bucket, ...]:
         """The gradient buckets of stages 0-2 (`zfunc.autograd.buckets`), planned on first use."""
@@ -207,16 +252,21 @@ class ModuleBinding:
         source = self._source()
         if source is None:
             return False
-        views = source.views(list(dict.fromkeys(n for n, _, _ in slots)))
-        self._rebound.setdefault(id(mod), []).append(
-            swap_in((owner._parameters, attr, views[n]) for n, owner, attr in slots))
+        self.occupy()
+        try:
+            views = source.views(list(dict.fromkeys(n for n, _, _ in slots)))
+            self._rebound.setdefault((threading.get_ident(), id(mod)), []).append(
+                swap_in((owner._parameters, attr, views[n]) for n, owner, attr in slots))
+        except BaseException:
+            self.release()
+            raise
         return True
 
     def _source(self) -> Any:
         """The call whose backward is running now, for a forward recomputed in it: among the calls
         whose graph lives, the one this backward entered through its outputs (the marker on their
         nodes notes the graph task on it, `zfunc.autograd.calls`), else the only one. Two are ambiguous: refused."""
-        live = list(self._pending)
+        live = list(self._pending.copy())  # another thread may add a call meanwhile
         task = graph_task()
         mine = [c for c in live if task in c.tasks] or live
         if len(mine) > 1:
@@ -229,9 +279,10 @@ class ModuleBinding:
         return mine[0] if mine else None
 
     def _rebind_out(self, mod: torch.nn.Module) -> None:
-        stack = self._rebound.get(id(mod))
+        stack = self._rebound.get((threading.get_ident(), id(mod)))
         if stack:
             put_back(stack.pop())
+            self.release()
 
     def _install_unit_hooks(self, units: list[tuple[int, str, list[str]]]) -> None:
         """A pre-hook and a post-hook on each unit module ``(index, module name, parameter names)``.
@@ -265,6 +316,7 @@ class ModuleBinding:
                 return
             call = b._call()
             if call is not None:
+                b.occupy()  # a recomputation in backward too (released by the post-hook, which always runs)
                 call.enter(i, slots)
             elif b._rebind_in(mod, slots):  # stages 1-2, a forward recomputed in backward
                 pass
@@ -282,7 +334,10 @@ class ModuleBinding:
                 return
             call = b._call()
             if call is not None:
-                call.leave(i)
+                try:
+                    call.leave(i)
+                finally:
+                    b.release()
             else:
                 b._rebind_out(mod)
 
@@ -354,8 +409,13 @@ class ModuleBinding:
         self._frames.append(None)
         if calls.current() is not None:  # zfunc's own call (functional_call) of the module
             return None
-        model = bound()
-        tensors, args, kwargs, contexts = model.prepare(args, kwargs)
+        self.occupy()
+        try:
+            model = bound()
+            tensors, args, kwargs, contexts = model.prepare(args, kwargs)
+        except BaseException:
+            self.release()
+            raise
         # As functional_call does for the whole call (no public API can do it from hooks): the
         # module's entries become the state's tensors until `_route_out` puts them back.
         members = [(entries, attr, name) for entries, attr, name in self._members if name in tensors]
@@ -369,6 +429,7 @@ class ModuleBinding:
         except BaseException:
             calls.leave(token)
             self._put_back(restore, tensors)
+            self.release()
             raise
         self._frames[-1] = (model, tensors, restore, token, stack)
         return args, kwargs
@@ -378,9 +439,12 @@ class ModuleBinding:
         if frame is None:
             return None
         model, tensors, restore, token, stack = frame
-        stack.close()
-        calls.leave(token)
-        self._put_back(restore, tensors)
+        try:
+            stack.close()
+            calls.leave(token)
+            self._put_back(restore, tensors)
+        finally:
+            self.release()
         return model.finish(out, tensors)
 
     @staticmethod

@@ -185,6 +185,10 @@ class BoundModel(torch.nn.Module):
 
     # -- a forward call ------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self.state.binding.occupied():
+            return self._call(args, kwargs)
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
         given = self._given()
         tensors, args, kwargs, contexts = self.prepare(args, kwargs)
         tensors.update(given)

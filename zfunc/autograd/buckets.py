@@ -43,11 +43,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zfunc.distributed import comm
-from zfunc.autograd._vmap import VmapAsIs
+from zfunc.distributed._vmap import VmapAsIs
 from zfunc.autograd.average import Average
 from zfunc.errors import refuse_create_graph
 from zfunc.distributed.layout import Layout, Slot
-from zfunc.autograd.widen import add_into, copy_into
+from zfunc.distributed.widen import add_into, copy_into
 
 if TYPE_CHECKING:
     from zfunc.core.state import TrainState

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import functools
+import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -30,17 +31,23 @@ __all__ = ["CALLS", "BACKWARDS", "ENTERED", "current", "enter", "leave", "reset"
 # The forward call running now, and how many run (any thread).
 _CURRENT: contextvars.ContextVar[Any] = contextvars.ContextVar("zfunc_call", default=None)
 CALLS = 0
-# Backwards running through a zfunc call's outputs now, and their graph tasks. A backward that
-# raises never lowers them; each zfunc forward outside a backward resets them (`reset`).
+# Backwards running through a zfunc call's outputs now: how many (``BACKWARDS``, a plain count
+# compiled hooks read), and by graph task the thread that entered it and its count. A backward
+# that raises never lowers them; a zfunc forward outside a backward forgets its own thread's
+# (`reset`), never another thread's backward in flight.
 BACKWARDS = 0
-ENTERED: set[int] = set()
+ENTERED: dict[int, list[int]] = {}
+_LOCK = threading.Lock()
 
 
 def reset() -> None:
-    """Forget the backwards a raised error left counted (no backward runs now)."""
+    """Forget the backwards this thread entered that a raised error left counted (no backward
+    runs in this thread now); other threads' backwards stay counted."""
     global BACKWARDS
-    BACKWARDS = 0
-    ENTERED.clear()
+    me = threading.get_ident()
+    with _LOCK:
+        for task in [t for t, (thread, _) in ENTERED.items() if thread == me]:
+            BACKWARDS -= ENTERED.pop(task)[1]
 
 
 def nested() -> bool:
@@ -74,15 +81,22 @@ def _entered(call: Any, grad_outputs: Any) -> None:
     global BACKWARDS
     task = graph_task()
     call.tasks.add(task)
-    ENTERED.add(task)
-    BACKWARDS += 1
+    with _LOCK:
+        ENTERED.setdefault(task, [threading.get_ident(), 0])[1] += 1
+        BACKWARDS += 1
     torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_left, task))  # at its end
 
 
 def _left(task: int) -> None:
     global BACKWARDS
-    BACKWARDS -= 1
-    ENTERED.discard(task)
+    with _LOCK:
+        entry = ENTERED.get(task)
+        if entry is None:  # forgotten by `reset` already
+            return
+        BACKWARDS -= 1
+        entry[1] -= 1
+        if entry[1] == 0:
+            del ENTERED[task]
 
 
 def mark_outputs(out: Any, call: Any) -> None:

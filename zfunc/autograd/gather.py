@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from zfunc.distributed import comm
-from zfunc.autograd._vmap import VmapAsIs
+from zfunc.distributed._vmap import VmapAsIs
 from zfunc.autograd.average import Average
 from zfunc.autograd.buckets import Collect
 from zfunc.autograd.swap import Swapped, put_back, swap_in

@@ -43,7 +43,7 @@ from zfunc.core.config import Config
 from zfunc.compat.engine_config import ConfigAccessors
 from zfunc.compat.engine_weights import WeightsOut
 from zfunc.core.create import init, masters_from_compute
-from zfunc.compat.deepspeed_config import BatchSizes
+from zfunc.core.deepspeed_config import BatchSizes
 from zfunc.errors import CheckpointError, ConfigError, DeepSpeedAssertion
 from zfunc.autograd.forward_gather import settle
 from zfunc.compat.utils import register as register_params

@@ -13,7 +13,7 @@ from zfunc.core.opt_state import optimizers
 from zfunc.core.scaler import DynamicLossScale
 
 if TYPE_CHECKING:
-    from zfunc.compat.deepspeed_config import BatchSizes
+    from zfunc.core.deepspeed_config import BatchSizes
     from zfunc.core.config import Config
     from zfunc.core.state import TrainState
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zfunc.compat.deepspeed_config import gather_16bit_on_save
+from zfunc.core.deepspeed_config import gather_16bit_on_save
 from zfunc.core.config import Config
 from zfunc.core.create import full_params
 from zfunc.distributed import comm

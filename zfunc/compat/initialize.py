@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from zfunc.compat.deepspeed_config import read_config, translate
+from zfunc.core.deepspeed_config import read_config, translate
 from zfunc.compat.engine import Engine
 from zfunc.compat.optimizer_view import plan_groups
 from zfunc.compat.schedulers import SCHEDULERS, OneCycle

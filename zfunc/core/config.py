@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from zfunc.compat.deepspeed_config import read_config, translate
+from zfunc.core.deepspeed_config import read_config, translate
 from zfunc.errors import ConfigError, check, is_finite_number, is_positive_int
 from zfunc.core.optim import OPTIMIZERS, AdamConfig, ParamGroup, adam, adamw
 from zfunc.core.scaler import FLOAT32_MAX, DynamicLossScale
@@ -222,7 +222,7 @@ class Config:
 
     @classmethod
     def from_deepspeed(cls, ds: Mapping[str, Any] | str, world_size: int = 1) -> Config:
-        """A `Config` from a DeepSpeed config dict or JSON path (`zfunc.compat.deepspeed_config.translate`).
+        """A `Config` from a DeepSpeed config dict or JSON path (`zfunc.core.deepspeed_config.translate`).
 
         Examples:
             >>> import zfunc

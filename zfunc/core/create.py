@@ -18,7 +18,7 @@ from zfunc.distributed import comm
 from zfunc.autograd.binding import ModuleBinding, was_donated
 from zfunc.core.config import Config
 from zfunc.core.materialize import materialize, on_meta
-from zfunc.io.weights import Weights, open_weights
+from zfunc.core.weights import Weights, open_weights
 from zfunc.core.donation import check_live
 from zfunc.errors import ConfigError
 from zfunc.distributed.layout import Layout, make_layout, master_view
@@ -320,7 +320,7 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
             has; its module keeps no trainable values (as with ``donate``).
         device: where a meta-built model's state lives (default: the current CUDA device under
             NCCL, else the CPU). A model with real parameters stays on their device.
-        weights: pretrained values (`zfunc.io.weights.open_weights`: safetensors, a Hugging Face
+        weights: pretrained values (`zfunc.core.weights.open_weights`: safetensors, a Hugging Face
             shard index, a torch state dict), read straight into this rank's shards: each rank
             reads only the elements it keeps. Parameters and buffers the files do not hold keep
             the model's own (or meta-initialised) values and are listed in a warning; a shape

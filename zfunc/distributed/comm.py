@@ -21,9 +21,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zfunc.autograd._vmap import VmapAsIs
+from zfunc.distributed._vmap import VmapAsIs
 from zfunc.errors import refuse_create_graph
-from zfunc.autograd.widen import widened
+from zfunc.distributed.widen import widened
 
 __all__ = ["Group", "world", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "broadcast_",
            "all_gather_object", "unit_params", "all_reduce_start", "reduce_", "reduce_scatter_",

@@ -105,7 +105,7 @@ def batch_sizes(ds: Mapping[str, Any], world_size: int) -> BatchSizes:
     """Fill in and check DeepSpeed's batch keys for ``world_size`` data-parallel ranks.
 
     Examples:
-        >>> from zfunc.compat.deepspeed_config import batch_sizes
+        >>> from zfunc.core.deepspeed_config import batch_sizes
         >>> batch_sizes({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 8}, world_size=2)
         BatchSizes(train_batch_size=32, micro_batch_size=8, grad_accum=2)
     """
@@ -423,7 +423,7 @@ def translate(ds: Mapping[str, Any] | str | os.PathLike,
     """The `zfunc.Config` fields and the batch sizes of a DeepSpeed config (a dict or a JSON path).
 
     Examples:
-        >>> from zfunc.compat.deepspeed_config import translate
+        >>> from zfunc.core.deepspeed_config import translate
         >>> fields, sizes = translate({
         ...     "train_batch_size": 32, "train_micro_batch_size_per_gpu": 8,
         ...     "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
