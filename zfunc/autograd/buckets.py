@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,6 +46,7 @@ import torch
 from zfunc.distributed import comm
 from zfunc.distributed._vmap import VmapAsIs
 from zfunc.autograd.average import Average
+from zfunc.autograd.probes import graph_task
 from zfunc.errors import refuse_create_graph
 from zfunc.distributed.layout import Layout, Slot
 from zfunc.distributed.widen import add_into, copy_into
@@ -411,30 +413,12 @@ def _places(slots: tuple[Slot, ...]) -> tuple[tuple[int, tuple[int, ...], tuple[
     return tuple(out)
 
 
-class _Tap(VmapAsIs, torch.autograd.Function):
-    """One parameter (a view of the compute buffer) whose backward hands its gradient to
-    ``take(key, grad)`` and feeds ``hub`` a zero: a forward recomputed in backward (`Rebind`)
-    binds parameters one by one, as its modules ask for them."""
-
-    @staticmethod
-    def forward(hub: torch.Tensor, params: torch.Tensor, take: Any, key: int) -> torch.Tensor:
-        return params.view_as(params)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        ctx.take, ctx.key = inputs[2], inputs[3]
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        refuse_create_graph(torch.is_grad_enabled())
-        ctx.take(ctx.key, grad)
-        return torch.zeros((), dtype=torch.float32, device=grad.device), None, None, None
-
-
 class Rebind:
     """A forward call's parameters again, for a forward that autograd recomputes during backward
-    (activation checkpointing runs the module outside zfunc's call): taps of the same compute
-    buffer handing their gradients to the same ``take``, hanging off a leaf of their own rather
+    (activation checkpointing runs the module outside zfunc's call): the call's buckets as taps
+    of the same compute buffer handing their gradients to the same ``take``, one `_Taps` node per
+    bucket and backward (made when a recomputed module first asks for one of its parameters, and
+    shared by every module recomputed in that backward), hanging off a leaf of their own rather
     than the collector, so a recomputation's own backward (reentrant checkpointing) delivers its
     gradients without running the collector early. The call's graph keeps it alive, and nothing
     else: it exists exactly while the call's backward can still run.
@@ -443,29 +427,40 @@ class Rebind:
         >>> import torch
         >>> from zfunc.distributed.layout import Slot
         >>> got = []
-        >>> rb = Rebind(torch.arange(4.0), {"w": (0, Slot("w", (2, 2), 0))}, lambda k, g: got.append(g))
+        >>> rb = Rebind(torch.arange(4.0), [[(0, Slot("w", (2, 2), 0))]], lambda k, g: got.append(g))
         >>> w = rb.views(["w"])["w"]
         >>> (w * 3).sum().backward(); w.tolist(), got[0].tolist()
         ([[0.0, 1.0], [2.0, 3.0]], [3.0, 3.0, 3.0, 3.0])
     """
 
-    def __init__(self, compute: torch.Tensor, slots: dict[str, tuple[Any, Slot]], take: Any):
-        self.compute, self.slots, self.take = compute, slots, take
+    def __init__(self, compute: torch.Tensor, buckets: list[list[tuple[Any, Slot]]], take: Any):
+        self.compute, self.buckets, self.take = compute, buckets, take
+        self.bucket_of = {s.name: k for k, bucket in enumerate(buckets) for _, s in bucket}
         self.frozen: dict[str, torch.Tensor] = {}  # the call's frozen parameters, by name
         self.anchor: torch.Tensor | None = None
-        self.tasks: set[int] = set()  # the backwards that differentiate this call (`zfunc.autograd.gather.graph_task`)
+        self.tasks: set[int] = set()  # the backwards that differentiate this call (`zfunc.autograd.probes.graph_task`)
+        self._made: dict[int, dict[str, torch.Tensor]] = {}  # by backward (graph task): the views made in it
 
     def views(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Parameters ``names`` (trained or frozen) as the call had them."""
         if self.anchor is None:
             self.anchor = torch.zeros((), dtype=torch.float32, device=self.compute.device, requires_grad=True)
+        task = graph_task()
+        made = self._made.get(task)
+        if made is None:
+            made = self._made[task] = {}
+            if task != -1:  # forgotten when that backward ends (they hold its nodes)
+                me = weakref.ref(self)
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    lambda: me() is not None and me()._made.pop(task, None) and None)
         out = {}
         for n in names:
             if n in self.frozen:
                 out[n] = self.frozen[n]
                 continue
-            key, s = self.slots[n]
-            out[n] = _Tap.apply(self.anchor, self.compute.narrow(0, s.offset, s.numel), self.take, key).view(s.shape)
+            if n not in made:
+                made.update(_bucket_taps(self.anchor, self.compute, self.take, [self.buckets[self.bucket_of[n]]]))
+            out[n] = made[n]
         return out
 
 
@@ -478,10 +473,10 @@ def bucket_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, .
     reducer = _Reducer(state, buckets, pool, sink, fold, avg)
     hub = Collect.apply(reducer, sink)
     compute = state.compute  # at stages 1-2 with units, each piece read after forward gathered it (zfunc.autograd.forward_gather)
-    rebind = _keep(hub, Rebind(compute, {s.name: (j, s) for j, (_, s) in enumerate(reducer.slots)}, reducer.take))
     by_bucket: list[list[tuple[Any, Slot]]] = [[] for _ in buckets]
     for j, (k, s) in enumerate(reducer.slots):
         by_bucket[k].append((j, s))
+    rebind = _keep(hub, Rebind(compute, by_bucket, reducer.take))
     return _bucket_taps(hub, compute, reducer.take, by_bucket), rebind
 
 
@@ -523,5 +518,6 @@ def local_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, ..
 
     compute = state.compute
     hub = _Sink.apply(sink)
-    rebind = _keep(hub, Rebind(compute, {s.name: (s.offset, s) for s in unit.slots}, add))
-    return _bucket_taps(hub, compute, add, [[(s.offset, s) for s in b.slots] for b in buckets]), rebind
+    by_bucket = [[(s.offset, s) for s in b.slots] for b in buckets]
+    rebind = _keep(hub, Rebind(compute, by_bucket, add))
+    return _bucket_taps(hub, compute, add, by_bucket), rebind

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from zfunc._tree import tree
-from zfunc.autograd.gather import graph_task
+from zfunc.autograd.probes import graph_task
 
 __all__ = ["CALLS", "BACKWARDS", "ENTERED", "current", "enter", "leave", "reset", "nested", "mark_outputs",
            "tensors_in"]

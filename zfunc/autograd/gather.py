@@ -35,10 +35,11 @@ from zfunc.distributed import comm
 from zfunc.distributed._vmap import VmapAsIs
 from zfunc.autograd.average import Average
 from zfunc.autograd.buckets import Collect
+from zfunc.autograd.probes import graph_task, hooks_active, in_backward, in_transform, plain
 from zfunc.autograd.swap import Swapped, put_back, swap_in
 from zfunc.errors import refuse_create_graph
 
-__all__ = ["UnitGatherer", "track_gathered", "check_same_units", "in_backward", "in_transform", "graph_task"]
+__all__ = ["UnitGatherer", "track_gathered", "check_same_units"]
 
 _STATS = {"live": 0, "peak": 0}
 
@@ -83,37 +84,6 @@ class _Recipe:
     def __init__(self, gatherer: UnitGatherer, index: int, t: torch.Tensor):
         self.gatherer, self.index = gatherer, index
         self.offset, self.size, self.stride = t.storage_offset(), t.size(), t.stride()
-
-
-def in_backward() -> bool:
-    """Whether autograd is running a backward now (reentrant activation checkpointing recomputes a
-    forward inside one). A read-only query of autograd's engine; no public equivalent."""
-    return graph_task() != -1
-
-
-def in_transform() -> bool:
-    """Whether a ``torch.func`` transform (grad, vjp, vmap) is running: a read-only query of
-    functorch's interpreter stack; no public equivalent."""
-    return torch._C._functorch.maybe_current_level() is not None
-
-
-def graph_task() -> int:
-    """The id of the backward autograd is running now (-1 outside one): how a forward recomputed
-    in backward finds the call being differentiated (`zfunc.autograd.binding.ModuleBinding._source`)."""
-    return torch._C._current_graph_task_id()
-
-
-def _hooks_active() -> bool:
-    """Whether saved-tensor hooks are in force (the user's: activation checkpointing, offload).
-    A read of autograd's hook stack; no public equivalent."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-
-
-def _plain() -> Any:
-    """Tensors made inside it are plain ones, even where a ``torch.func`` transform runs (a user's
-    ``grad`` around the model): the collectives' buffers are the state's, never the transform's.
-    A functorch switch; no public equivalent."""
-    return torch._C._DisableFuncTorch()
 
 
 _IN_FLIGHT = 2  # units whose reduce-scatter may still run while backward goes on
@@ -244,7 +214,7 @@ class UnitGatherer:
     def _prefetch(self, units: list[int]) -> None:
         for i in units:
             if i not in self.ahead:
-                with _plain():
+                with plain():
                     out, handle = comm.all_gather_start(self._shard(i), self.state.mesh.shard)
                 self.ahead[i] = (_count_bytes(out), handle)
 
@@ -252,7 +222,7 @@ class UnitGatherer:
         """Unit ``i``'s full buffer: its prefetch once complete, else gathered now."""
         got = self.ahead.pop(i, None)
         if got is None:
-            with _plain():
+            with plain():
                 return _count_bytes(comm.all_gather(self._shard(i), self.state.mesh.shard))
         got[1].wait()
         return got[0]
@@ -329,7 +299,7 @@ class UnitGatherer:
         views = self.state.layout.views(self.state.layout.units[i], full)
         # Restored by `leave`, and by the enclosing functional_call if forward raises.
         self.swapped[i] = swap_in((owner._parameters, attr, views[name]) for name, owner, attr in slots)
-        if self.reducer is not None and not in_backward() and not in_transform() and not _hooks_active():
+        if self.reducer is not None and not in_backward() and not in_transform() and not hooks_active():
             key = full.untyped_storage().data_ptr()
             self.live[key] = i  # what the saved-tensor hooks look up
             hooks = self._saving()

@@ -1,0 +1,43 @@
+"""Read-only queries of torch's autograd and functorch state that have no public equivalent,
+in one place: which backward runs, whether a transform runs, whether saved-tensor hooks are in
+force, and the switch that makes plain tensors inside a transform.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["graph_task", "in_backward", "in_transform", "hooks_active", "plain"]
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward now (reentrant activation checkpointing recomputes a
+    forward inside one). A read-only query of autograd's engine; no public equivalent."""
+    return graph_task() != -1
+
+
+def in_transform() -> bool:
+    """Whether a ``torch.func`` transform (grad, vjp, vmap) is running: a read-only query of
+    functorch's interpreter stack; no public equivalent."""
+    return torch._C._functorch.maybe_current_level() is not None
+
+
+def graph_task() -> int:
+    """The id of the backward autograd is running now (-1 outside one): how a forward recomputed
+    in backward finds the call being differentiated (`zfunc.autograd.binding.ModuleBinding._source`)."""
+    return torch._C._current_graph_task_id()
+
+
+def hooks_active() -> bool:
+    """Whether saved-tensor hooks are in force (the user's: activation checkpointing, offload).
+    A read of autograd's hook stack; no public equivalent."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def plain() -> Any:
+    """Tensors made inside it are plain ones, even where a ``torch.func`` transform runs (a user's
+    ``grad`` around the model): the collectives' buffers are the state's, never the transform's.
+    A functorch switch; no public equivalent."""
+    return torch._C._DisableFuncTorch()
