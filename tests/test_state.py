@@ -257,21 +257,33 @@ def test_a_copied_or_pickled_state_trains_like_the_original():
                 assert same, f"{case}: the copy trains differently from the original"
 
 
-def test_init_leaves_no_hook_once_its_states_are_gone():
+def test_no_zfunc_hook_on_the_module_between_calls():
+    """zfunc's hooks are on the module from a call's start until no call runs and no call's graph
+    lives (a forward activation checkpointing recomputes in backward needs them): between calls
+    none, while states live, at every stage, with units; a graph kept unused keeps them until it
+    is dropped. Reference counting alone takes them off: no cycle."""
     import gc
 
     def hooks(m: torch.nn.Module) -> int:
         return sum(len(getattr(x, d)) for x in m.modules() for d in ("_forward_pre_hooks", "_forward_hooks"))
 
-    gc.disable()  # reference counting alone frees them: no cycle
+    gc.disable()
     try:
         for stage in (0, 1, 2, 3):
             model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
             cfg = zfunc.Config(stage=stage, units=["0"] if stage else None, persist_threshold=0)
             states = [zfunc.init(model, cfg) for _ in range(3)]
-            assert hooks(model) > 0
+            seen: list[int] = []
+            mine = model[1].register_forward_pre_hook(lambda m, a: seen.append(hooks(model) - 1))
+            assert hooks(model) == 1, stage  # the user's own only
             later, _ = zfunc.backward_step(states[0], lambda m, x: m(x).sum(), torch.ones(2, 3))
+            assert seen[-1] > 0 and hooks(model) == 1, (stage, seen)  # on during the call, off after it
             later = zfunc.apply_step(later)
+            kept = zfunc.core.backward.bind(later, zfunc.core.backward.sinks_into(later, later.grads))(torch.ones(1, 3))
+            assert hooks(model) > 1, stage  # a graph that may still be differentiated keeps them
+            del kept
+            assert hooks(model) == 1, stage
+            mine.remove()
             del states, later
             assert hooks(model) == 0, stage
     finally:

@@ -77,6 +77,11 @@ def _remove(handles: list[RemovableHandle]) -> None:
     handles.clear()
 
 
+def _remove_all(*lists: list[RemovableHandle]) -> None:
+    for handles in lists:
+        _remove(handles)
+
+
 class ModuleBinding:
     """``module`` bound to ``layout``: the hooks zfunc adds to it, and `bind` for forward calls.
 
@@ -91,11 +96,11 @@ class ModuleBinding:
         >>> import torch, zfunc
         >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
         >>> state = zfunc.init(model, zfunc.Config(stage=3, units=["0"], persist_threshold=0))
-        >>> len(model[0]._forward_pre_hooks)
-        1
-        >>> state.binding.remove()
-        >>> len(model[0]._forward_pre_hooks), model(torch.ones(1, 2)).shape
-        (0, torch.Size([1, 1]))
+        >>> seen = []  # during the call: the unit's hook on model[0]; between calls: none
+        >>> _ = model[1].register_forward_pre_hook(lambda m, a: seen.append(len(model[0]._forward_pre_hooks)))
+        >>> state, _ = zfunc.backward_step(state, lambda m, x: m(x).sum(), torch.ones(1, 2))
+        >>> seen, len(model[0]._forward_pre_hooks)
+        ([1], 0)
     """
 
     def __init__(self, module: torch.nn.Module, layout: Layout, stage: int,
@@ -104,9 +109,16 @@ class ModuleBinding:
         self._units = tuple((name, tuple(names)) for name, names in units)
         self.donated = False
         # Every hook holds the binding weakly: once no state holds it, it goes by reference
-        # counting, and its hooks leave the module with it.
+        # counting, and its hooks leave the module with it. ``_handles``: the engine's (the shim
+        # keeps them while the engine lives); ``_call_handles``: the hooks a zfunc call needs
+        # (`_specs`), on the module from a call's start (`attach`) until no call runs and no
+        # call's graph lives (`_detach_if_idle`).
         self._handles: list[RemovableHandle] = []
-        weakref.finalize(self, _remove, self._handles)
+        self._call_handles: list[RemovableHandle] = []
+        self._specs: list[tuple[torch.nn.Module, bool, Callable[..., Any]]] = []  # (module, pre?, hook)
+        self._removed = False
+        self._attached = False  # the call hooks are on the module now
+        weakref.finalize(self, _remove_all, self._handles, self._call_handles)
         self.unit_order: list[int] = []  # stage 3: the units the last forward ran, in order
         self._members: list[Any] = []  # set by `route`
         # The other names of a tied parameter or buffer, by its first name: a call passes the
@@ -133,7 +145,7 @@ class ModuleBinding:
         # backward), with their depth: torch puts a call's tensors in the module's own entries,
         # so one thread at a time (`occupied`).
         self._users: dict[int, int] = {}
-        self._users_lock = threading.Lock()
+        self._users_lock = threading.RLock()  # reentrant: a weakref callback may run under it (`_call_gone`)
         # Unit parameters by name as the module holds them outside their unit's forward
         # (placeholders that refuse to compute), so the enclosing functional_call restores them.
         self.unit_params: dict[str, torch.Tensor] = {}
@@ -142,8 +154,10 @@ class ModuleBinding:
         self.gather_plan: GatherPlan | None = None  # stages 1-2 with units
         # The calls whose backward can still run (a `zfunc.autograd.buckets.Rebind` at stages 0-2, a
         # `UnitGatherer` at stage 3; each graph keeps its own), for a forward recomputed in
-        # backward (`_source`), and what the recompute hooks swapped, per module.
+        # backward (`_source`), with a weak reference each whose callback detaches the hooks
+        # once the last graph is gone; and what the recompute hooks swapped, per module.
         self._pending: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._watch: set[weakref.ref] = set()
         self._rebound: dict[tuple[int, int], list[list[tuple[torch.nn.Module, str, Any]]]] = {}  # by thread, module
         if stage == 3:
             self._install_unit_hooks([(i, u.name, [s.name for s in u.slots]) for i, u in enumerate(layout.units)
@@ -174,7 +188,8 @@ class ModuleBinding:
             self._users[me] = self._users.get(me, 0) + 1
 
     def release(self) -> None:
-        """This thread's `occupy` ends."""
+        """This thread's `occupy` ends; with it the last call, if no call's graph lives: the
+        call hooks leave the module."""
         me = threading.get_ident()
         with self._users_lock:
             left = self._users.get(me, 0) - 1
@@ -182,12 +197,52 @@ class ModuleBinding:
                 self._users[me] = left
             else:
                 self._users.pop(me, None)
+        self._detach_if_idle()
+
+    def attach(self) -> None:
+        """Put the hooks a zfunc call needs on the module (`_specs`: the unit hooks, the
+        recompute hooks), unless they are there: a call's start. Each pre-hook goes before the
+        user's hooks (a weight-norm hook reads the unit's parameters)."""
+        with self._users_lock:
+            if self._attached or self._removed:
+                return
+            self._attached = True
+            if not self._call_handles:  # the first call: registered as torch does
+                for mod, is_pre, hook in self._specs:
+                    self._call_handles.append(mod.register_forward_pre_hook(hook, prepend=True) if is_pre
+                                              else mod.register_forward_hook(hook, always_call=True))
+                return
+            # Later calls: the same hooks under the same ids, where torch keeps them. A compiled
+            # block guards on its modules' hook ids: new ids each call would recompile it.
+            for (mod, is_pre, hook), handle in zip(self._specs, self._call_handles):
+                if is_pre:
+                    mod._forward_pre_hooks[handle.id] = hook
+                    mod._forward_pre_hooks.move_to_end(handle.id, last=False)
+                else:
+                    mod._forward_hooks[handle.id] = hook
+                    mod._forward_hooks_always_called[handle.id] = True
+
+    def _detach_if_idle(self) -> None:
+        """Take the call hooks off the module when no call runs and no call's graph lives (no
+        backward can recompute a forward of it)."""
+        with self._users_lock:
+            if self._users or self._watch or not self._attached:
+                return
+            self._attached = False
+            for handle in self._call_handles:
+                handle.remove()
+
+    def _call_gone(self, ref: weakref.ref) -> None:
+        with self._users_lock:
+            self._watch.discard(ref)
+        self._detach_if_idle()
 
     @contextlib.contextmanager
     def occupied(self) -> Iterator[None]:
-        """`occupy` for the block, `release` after it."""
+        """`occupy` and `attach` for the block, `release` after it."""
         self.occupy()
         try:
+            self.attach()
             yield
         finally:
             self.release()
@@ -242,8 +297,7 @@ class ModuleBinding:
 
         for slots in owners.values():
             mod = slots[0][1]
-            self._handles.append(mod.register_forward_pre_hook(pre(slots), prepend=True))
-            self._handles.append(mod.register_forward_hook(post, always_call=True))
+            self._specs += [(mod, True, pre(slots)), (mod, False, post)]
 
     def _rebind_in(self, mod: torch.nn.Module, slots: list[tuple[str, torch.nn.Module, str]]) -> bool:
         """In a forward recomputed during backward: put the parameters of the call whose backward
@@ -255,7 +309,7 @@ class ModuleBinding:
             return False
         self.occupy()
         try:
-            views = source.views(list(dict.fromkeys(n for n, _, _ in slots)))
+            views = source.views([n for n, _, _ in slots])
             self._rebound.setdefault((threading.get_ident(), id(mod)), []).append(
                 swap_in((owner._parameters, attr, views[n]) for n, owner, attr in slots))
         except BaseException:
@@ -267,7 +321,8 @@ class ModuleBinding:
         """The call whose backward is running now, for a forward recomputed in it: among the calls
         whose graph lives, the one this backward entered through its outputs (the marker on their
         nodes notes the graph task on it, `zfunc.autograd.calls`), else the only one. Two are ambiguous: refused."""
-        live = list(self._pending.copy())  # another thread may add a call meanwhile
+        with self._users_lock:  # another thread may add a call meanwhile
+            live = list(self._pending)
         task = graph_task()
         mine = [c for c in live if task in c.tasks] or live
         if len(mine) > 1:
@@ -296,8 +351,7 @@ class ModuleBinding:
             slots = self._slots(names)
             self.unit_params.update({n: Unbound(named[n], n, mname) for n in names})
             mod = modules[mname]
-            self._handles.append(mod.register_forward_pre_hook(self._enter_hook(i, slots), prepend=True))
-            self._handles.append(mod.register_forward_hook(self._leave_hook(i), always_call=True))
+            self._specs += [(mod, True, self._enter_hook(i, slots)), (mod, False, self._leave_hook(i))]
 
     def _call(self) -> UnitGatherer | UnitViews | None:
         """The units of the call of this binding that a unit module running now belongs to."""
@@ -412,6 +466,7 @@ class ModuleBinding:
             return None
         self.occupy()
         try:
+            self.attach()
             model = bound()
             tensors, args, kwargs, contexts = model.prepare(args, kwargs)
         except BaseException:
@@ -476,7 +531,7 @@ class ModuleBinding:
             memo[id(p)] = torch.nn.Parameter(like, requires_grad=p.requires_grad)
         for b in self.module.buffers():
             memo[id(b)] = torch.empty_like(b, device="meta")
-        ours = {h.id for h in self._handles}
+        ours = {h.id for h in self._handles + self._call_handles}
         if self.donated:
             ours.update(h.id for h in self._refusing)
         out = copy.deepcopy(self.module, memo)
@@ -499,8 +554,11 @@ class ModuleBinding:
         return _rebuilt, (self.skeleton(), self.layout, self.stage, self._units)
 
     def remove(self) -> None:
-        """Take every hook zfunc added to the module away (a donated module stays empty)."""
+        """Take every hook zfunc added to the module away, for good (a donated module stays empty)."""
+        self._removed = True
+        self._attached = False
         _remove(self._handles)
+        _remove(self._call_handles)
         self.unit_params = {}
         self._members = []
         self.gather_plan = None  # no hook waits for a unit now: apply_step gathers before returning
@@ -516,7 +574,10 @@ class ModuleBinding:
         """``call`` (a `Rebind` or `UnitGatherer`) has a backward to come, when autograd records
         one: a forward recomputed in that backward may need it (`_source`)."""
         if torch.is_grad_enabled() and not _in_backward():
-            self._pending.add(call)
+            me = weakref.ref(self)
+            with self._users_lock:
+                self._pending.add(call)
+                self._watch.add(weakref.ref(call, lambda ref: me() is not None and me()._call_gone(ref)))
 
 
 def _rebuilt(module: torch.nn.Module, layout: Layout, stage: int,

@@ -38,6 +38,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
+import operator
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -46,7 +48,7 @@ import torch
 from zfunc.distributed import comm
 from zfunc.distributed._vmap import VmapAsIs
 from zfunc.autograd.average import Average
-from zfunc.autograd.probes import graph_task
+from zfunc.autograd.probes import graph_task, hooks_active
 from zfunc.errors import refuse_create_graph
 from zfunc.distributed.layout import Layout, Slot
 from zfunc.distributed.widen import add_into, copy_into
@@ -379,9 +381,9 @@ class _Taps(VmapAsIs, torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
         refuse_create_graph(torch.is_grad_enabled())
-        for key, grad in zip(ctx.keys, grads):
-            if grad is not None:
-                ctx.take(key, grad)
+        arrived = list(map(operator.is_not, grads, itertools.repeat(None)))  # most are None in a recomputed segment's backward
+        for key, grad in zip(itertools.compress(ctx.keys, arrived), itertools.compress(grads, arrived)):
+            ctx.take(key, grad)
         return torch.zeros((), dtype=torch.float32, device=ctx.device), None, None, None, None
 
 
@@ -415,10 +417,13 @@ def _places(slots: tuple[Slot, ...]) -> tuple[tuple[int, tuple[int, ...], tuple[
 
 class Rebind:
     """A forward call's parameters again, for a forward that autograd recomputes during backward
-    (activation checkpointing runs the module outside zfunc's call): the call's buckets as taps
-    of the same compute buffer handing their gradients to the same ``take``, one `_Taps` node per
-    bucket and backward (made when a recomputed module first asks for one of its parameters, and
-    shared by every module recomputed in that backward), hanging off a leaf of their own rather
+    (activation checkpointing runs the module outside zfunc's call): taps of the same compute
+    buffer handing their gradients to the same ``take``. Recomputed under the saved-tensor hooks
+    of non-reentrant checkpointing (only the values matter there: the call's own graph carries
+    the gradients), one `_Taps` node per bucket and backward, made when a recomputed module first
+    asks for one of its parameters and shared by every module recomputed in that backward;
+    recomputed for reentrant checkpointing (each segment differentiated in a backward of its
+    own), one node per module call. Either way hanging off a leaf of their own rather
     than the collector, so a recomputation's own backward (reentrant checkpointing) delivers its
     gradients without running the collector early. The call's graph keeps it alive, and nothing
     else: it exists exactly while the call's backward can still run.
@@ -436,6 +441,7 @@ class Rebind:
     def __init__(self, compute: torch.Tensor, buckets: list[list[tuple[Any, Slot]]], take: Any):
         self.compute, self.buckets, self.take = compute, buckets, take
         self.bucket_of = {s.name: k for k, bucket in enumerate(buckets) for _, s in bucket}
+        self.slot_of = {s.name: (key, s) for bucket in buckets for key, s in bucket}
         self.frozen: dict[str, torch.Tensor] = {}  # the call's frozen parameters, by name
         self.anchor: torch.Tensor | None = None
         self.tasks: set[int] = set()  # the backwards that differentiate this call (`zfunc.autograd.probes.graph_task`)
@@ -445,6 +451,10 @@ class Rebind:
         """Parameters ``names`` (trained or frozen) as the call had them."""
         if self.anchor is None:
             self.anchor = torch.zeros((), dtype=torch.float32, device=self.compute.device, requires_grad=True)
+        if not hooks_active():  # reentrant checkpointing: each segment's own backward, a node of its own
+            trained = [n for n in dict.fromkeys(names) if n not in self.frozen]
+            out = _bucket_taps(self.anchor, self.compute, self.take, [[self.slot_of[n] for n in trained]])
+            return {n: self.frozen[n] if n in self.frozen else out[n] for n in names}
         task = graph_task()
         made = self._made.get(task)
         if made is None:
