@@ -105,6 +105,38 @@ def test_per_block_compile_fullgraph_trains_like_eager(stage):
                 assert max((x - y).abs().max().item() for x, y in zip(a, b)) <= 1e-6, (world, stage, donate)
 
 
+def _compiled_as(rank: int, stage: int, how: str) -> list[torch.Tensor]:
+    """Three steps with the model eager, compiled whole (``torch.compile(model)`` given to
+    ``init``), or compiled per block with the units named by class (each block's class)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = _Blocks()
+    units = [nn.Sequential] if stage else None
+    if how == "whole":
+        model = torch.compile(model, backend="aot_eager")
+    elif how == "blocks":
+        for i, b in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(b, fullgraph=True, backend="aot_eager")
+    state = zfunc.init(model, zfunc.Config(stage=stage, units=units, persist_threshold=0, grad_accum=2,
+                                           optimizer=zfunc.adamw(lr=1e-2)))
+    step = zfunc.train_step(lambda m, x: m(x).pow(2).mean())
+    for i in range(3):
+        state = step(state, torch.randn(4, 3, generator=torch.Generator().manual_seed(10 * i + rank)))
+    return [t.clone() for t in zfunc.full_params(state).values()]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_whole_model_and_blocks_by_class_compiled_train_like_eager(stage):
+    """A compiled block named as a unit by its class is the compiled module (zfunc's unit hooks
+    outside the compiled code, fullgraph holds); the whole model compiled trains too (at stage 3
+    with a graph break at each unit, where it is gathered)."""
+    eager = run_ranks(_compiled_as, 2, stage, "eager")
+    for how in ("whole", "blocks"):
+        for a, b in zip(eager, run_ranks(_compiled_as, 2, stage, how)):
+            assert max((x - y).abs().max().item() for x, y in zip(a, b)) <= 1e-6, (stage, how)
+
+
 def _raised_then_compiled(rank: int) -> tuple[int, bool]:
     import warnings
 

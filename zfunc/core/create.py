@@ -125,7 +125,7 @@ def units_of(model: torch.nn.Module, cfg: Config,
     unit_names: list[str] = []
     for mname, mod in model.named_modules():
         inside = any(mname.startswith(u + ".") for u in unit_names)
-        if mname and not inside and any(u == mname or (isinstance(u, type) and isinstance(mod, u)) for u in wanted):
+        if mname and not inside and any(u == mname or (isinstance(u, type) and _is(mod, u)) for u in wanted):
             unit_names.append(mname)
             for p in mod.parameters():
                 owner.setdefault(id(p), set()).add(mname)
@@ -141,6 +141,12 @@ def units_of(model: torch.nn.Module, cfg: Config,
     if not groups["root"]:
         del groups["root"]
     return list(groups.values()), list(groups)
+
+
+def _is(mod: torch.nn.Module, cls: type) -> bool:
+    """``mod`` is a ``cls``, or ``torch.compile``'s wrapper of one (its ``_orig_mod``): a unit named
+    by class is then the compiled module, so zfunc's unit hooks run outside the compiled code."""
+    return isinstance(mod, cls) or isinstance(getattr(mod, "_orig_mod", None), cls)
 
 
 def _gathered_units(model: torch.nn.Module, cfg: Config,
