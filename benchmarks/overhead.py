@@ -45,7 +45,8 @@ class ExpertBank(nn.Module):
             outs = [e(p) for e, p in zip(self.experts, parts)]
         else:
             reentrant = self.checkpoint == "reentrant"
-            outs = [torch.utils.checkpoint.checkpoint(e, p, use_reentrant=reentrant) for e, p in zip(self.experts, parts)]
+            outs = [torch.utils.checkpoint.checkpoint(e, p, use_reentrant=reentrant)
+                    for e, p in zip(self.experts, parts)]
         return self.out(torch.cat(outs))
 
 

@@ -325,7 +325,8 @@ def test_a_donated_module_is_refused_clearly():
     model = _stack()
     state = zfunc.init(model, zfunc.Config(stage=3, units=["0", "2"], persist_threshold=0), donate=True)
     assert all(p.numel() == 0 for p in model.parameters())
-    with pytest.raises(RuntimeError, match=r"live in a zfunc state \(the module was given to init\(\.\.\., donate=True\)"):
+    with pytest.raises(RuntimeError,
+                       match=r"live in a zfunc state \(the module was given to init\(\.\.\., donate=True\)"):
         model(torch.ones(1, 4))
     with pytest.raises(zfunc.ConfigError, match="donated to another zfunc state"):
         zfunc.init(model, zfunc.Config(stage=3))

@@ -11,7 +11,7 @@ import zfunc
 
 ROOT = Path(zfunc.__file__).parent
 # The layers, bottom first: a package may import the ones below it only.
-ORDER = ["errors", "_tree", "distributed", "autograd", "core", "io", "compat", "tools"]
+ORDER = ["errors", "_tree", "_probes", "distributed", "autograd", "core", "io", "compat", "tools"]
 
 
 def _imports() -> tuple[dict[str, set[str]], dict[str, set[str]]]:

@@ -35,8 +35,8 @@ from zfunc.autograd.bound import BoundModel
 from zfunc.autograd.buckets import Bucket, Fold, ShardPool, plan_buckets
 from zfunc.autograd.swap import Swapped, put_back, swap_in
 from zfunc.autograd.gather import UnitGatherer
-from zfunc.autograd.probes import graph_task
-from zfunc.autograd.probes import in_backward as _in_backward
+from zfunc._probes import graph_task
+from zfunc._probes import in_backward as _in_backward
 from zfunc.distributed.layout import Layout
 from zfunc.autograd.forward_gather import GatherPlan, Unbound, UnitViews, plan_gathers
 

@@ -29,7 +29,7 @@ from zfunc.autograd.average import Average, ranks_averaged
 from zfunc.autograd.buckets import Fold, Rebind, bucket_views, local_views
 from zfunc.autograd.forward_gather import ROOT, Gathering, UnitViews, start_gathers
 from zfunc.autograd.gather import UnitGatherer, check_same_units
-from zfunc.autograd.probes import in_backward
+from zfunc._probes import in_backward
 
 if TYPE_CHECKING:
     from zfunc.core.state import TrainState

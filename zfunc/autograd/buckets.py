@@ -48,7 +48,7 @@ import torch
 from zfunc.distributed import comm
 from zfunc.distributed._vmap import VmapAsIs
 from zfunc.autograd.average import Average
-from zfunc.autograd.probes import graph_task, hooks_active
+from zfunc._probes import graph_task, hooks_active
 from zfunc.errors import refuse_create_graph
 from zfunc.distributed.layout import Layout, Slot
 from zfunc.distributed.widen import add_into, copy_into
@@ -381,7 +381,8 @@ class _Taps(VmapAsIs, torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
         refuse_create_graph(torch.is_grad_enabled())
-        arrived = list(map(operator.is_not, grads, itertools.repeat(None)))  # most are None in a recomputed segment's backward
+        # most are None in the backward of a segment a reentrant checkpoint recomputed
+        arrived = list(map(operator.is_not, grads, itertools.repeat(None)))
         for key, grad in zip(itertools.compress(ctx.keys, arrived), itertools.compress(grads, arrived)):
             ctx.take(key, grad)
         return torch.zeros((), dtype=torch.float32, device=ctx.device), None, None, None, None
@@ -444,7 +445,7 @@ class Rebind:
         self.slot_of = {s.name: (key, s) for bucket in buckets for key, s in bucket}
         self.frozen: dict[str, torch.Tensor] = {}  # the call's frozen parameters, by name
         self.anchor: torch.Tensor | None = None
-        self.tasks: set[int] = set()  # the backwards that differentiate this call (`zfunc.autograd.probes.graph_task`)
+        self.tasks: set[int] = set()  # the backwards that differentiate this call (`zfunc._probes.graph_task`)
         self._made: dict[int, dict[str, torch.Tensor]] = {}  # by backward (graph task): the views made in it
 
     def views(self, names: list[str]) -> dict[str, torch.Tensor]:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from zfunc._tree import tree
-from zfunc.autograd.probes import graph_task
+from zfunc._probes import graph_task, is_transformed
 
 __all__ = ["CALLS", "BACKWARDS", "ENTERED", "current", "enter", "leave", "reset", "nested", "mark_outputs",
            "tensors_in"]
@@ -117,7 +117,7 @@ def mark_outputs(out: Any, call: Any) -> None:
     seen: set[int] = set()
     for t in tensors_in(out):
         fn = t.grad_fn
-        if fn is None or id(fn) in seen or torch._C._functorch.is_functorch_wrapped_tensor(t):
+        if fn is None or id(fn) in seen or is_transformed(t):
             continue
         seen.add(id(fn))
         fn.register_prehook(functools.partial(_entered, call))

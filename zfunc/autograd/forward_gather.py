@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from zfunc.distributed import comm
-from zfunc.autograd.probes import in_backward
+from zfunc._probes import in_backward
 from zfunc.autograd.swap import Swapped, put_back, swap_in
 from zfunc.distributed.layout import Layout
 

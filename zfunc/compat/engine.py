@@ -36,7 +36,7 @@ from zfunc.core.backward import bind, boundary_fold, loss_scaled, point_sinks, r
 from zfunc.autograd import average, calls
 from zfunc.autograd.average import Average, ranks_averaged
 from zfunc.autograd.buckets import Fold
-from zfunc.autograd.probes import graph_task
+from zfunc._probes import graph_task
 from zfunc.io.checkpoint import agree, exists, load, read_extra, save
 from zfunc.io.deepspeed_checkpoint import is_deepspeed_checkpoint, read_deepspeed
 from zfunc.core.config import Config

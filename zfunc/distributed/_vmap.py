@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from zfunc._probes import transforms_active, unwrap_dead
+
 __all__ = ["VmapAsIs"]
 
 
@@ -41,9 +43,9 @@ class VmapAsIs:
         the rest of the call). zfunc's Functions take every argument positionally, with no
         defaults, so there is nothing to bind; under a ``torch.func`` transform torch's own
         path runs."""
-        if torch._C._are_functorch_transforms_active():
+        if transforms_active():
             return super().apply(*args)
-        return super(torch.autograd.Function, cls).apply(*torch._functorch.utils.unwrap_dead_wrappers(args))
+        return super(torch.autograd.Function, cls).apply(*unwrap_dead(args))
 
     @classmethod
     def vmap(cls, info: Any, in_dims: tuple, *args: Any) -> tuple[Any, Any]:

@@ -1,6 +1,6 @@
 """Read-only queries of torch's autograd and functorch state that have no public equivalent,
-in one place: which backward runs, whether a transform runs, whether saved-tensor hooks are in
-force, and the switch that makes plain tensors inside a transform.
+in one place: which backward runs, whether a transform runs (and a tensor is a transform's),
+whether saved-tensor hooks are in force, and the functorch switches zfunc's Functions use.
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["graph_task", "in_backward", "in_transform", "hooks_active", "plain"]
+__all__ = ["graph_task", "in_backward", "in_transform", "hooks_active", "plain", "transforms_active",
+           "is_transformed", "unwrap_dead"]
 
 
 def in_backward() -> bool:
@@ -41,3 +42,18 @@ def plain() -> Any:
     ``grad`` around the model): the collectives' buffers are the state's, never the transform's.
     A functorch switch; no public equivalent."""
     return torch._C._DisableFuncTorch()
+
+
+def transforms_active() -> bool:
+    """Whether any ``torch.func`` transform is active (torch's own test in ``Function.apply``)."""
+    return torch._C._are_functorch_transforms_active()
+
+
+def is_transformed(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``torch.func`` transform's wrapper (its autograd node is the transform's)."""
+    return torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
+def unwrap_dead(args: tuple) -> tuple:
+    """``args`` with the wrappers of finished transforms unwrapped, as ``Function.apply`` does."""
+    return torch._functorch.utils.unwrap_dead_wrappers(args)
