@@ -26,7 +26,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.func import functional_call
 from torch.utils.hooks import RemovableHandle
 
 from zfunc.autograd import calls

@@ -35,7 +35,7 @@ from zfunc.distributed import comm
 from zfunc.distributed._vmap import VmapAsIs
 from zfunc.autograd.average import Average
 from zfunc.autograd.buckets import Collect
-from zfunc._probes import graph_task, hooks_active, in_backward, in_transform, plain
+from zfunc._probes import hooks_active, in_backward, in_transform, plain
 from zfunc.autograd.swap import Swapped, put_back, swap_in
 from zfunc.errors import refuse_create_graph
 
