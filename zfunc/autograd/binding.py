@@ -76,9 +76,12 @@ def _remove(handles: list[RemovableHandle]) -> None:
     handles.clear()
 
 
-def _remove_all(*lists: list[RemovableHandle]) -> None:
+def _remove_all(*lists: list[RemovableHandle | None]) -> None:
     for handles in lists:
-        _remove(handles)
+        _remove([h for h in handles if h is not None])
+
+
+_CALL, _RECOMPUTE = 0, 1  # the phases of `ModuleBinding.attach`
 
 
 class ModuleBinding:
@@ -113,10 +116,10 @@ class ModuleBinding:
         # (`_specs`), on the module from a call's start (`attach`) until no call runs and no
         # call's graph lives (`_detach_if_idle`).
         self._handles: list[RemovableHandle] = []
-        self._call_handles: list[RemovableHandle] = []
-        self._specs: list[tuple[torch.nn.Module, bool, Callable[..., Any]]] = []  # (module, pre?, hook)
+        self._specs: list[tuple[torch.nn.Module, bool, Callable[..., Any], int]] = []  # (module, pre?, hook, phase)
+        self._call_handles: list[RemovableHandle | None] = []  # by spec, once registered
         self._removed = False
-        self._attached = False  # the call hooks are on the module now
+        self._attached: set[int] = set()  # the phases on the module now
         weakref.finalize(self, _remove_all, self._handles, self._call_handles)
         self.unit_order: list[int] = []  # stage 3: the units the last forward ran, in order
         self._members: list[Any] = []  # set by `route`
@@ -165,6 +168,7 @@ class ModuleBinding:
             self.gather_plan = plan_gathers(layout, [names for _, names in units])
             self._install_unit_hooks([(i, name, names) for i, (name, names) in enumerate(units)])
         self._install_recompute_hooks()
+        self._call_handles.extend([None] * len(self._specs))
 
     def occupy(self) -> None:
         """This thread starts running the module for a zfunc call (nested calls in one thread
@@ -198,23 +202,25 @@ class ModuleBinding:
                 self._users.pop(me, None)
         self._detach_if_idle()
 
-    def attach(self) -> None:
-        """Put the hooks a zfunc call needs on the module (`_specs`: the unit hooks, the
-        recompute hooks), unless they are there: a call's start. Each pre-hook goes before the
-        user's hooks (a weight-norm hook reads the unit's parameters)."""
+    def attach(self, phase: int = _CALL) -> None:
+        """Put one phase of the hooks zfunc needs on the module (`_specs`), unless they are
+        there: the unit hooks at a call's start, the recompute hooks when a backward reaches a
+        call's outputs (`zfunc.autograd.calls`), so a forward runs without them. Each pre-hook
+        goes before the user's hooks (a weight-norm hook reads the unit's parameters)."""
         with self._users_lock:
-            if self._attached or self._removed:
+            if phase in self._attached or self._removed:
                 return
-            self._attached = True
-            if not self._call_handles:  # the first call: registered as torch does
-                for mod, is_pre, hook in self._specs:
-                    self._call_handles.append(mod.register_forward_pre_hook(hook, prepend=True) if is_pre
-                                              else mod.register_forward_hook(hook, always_call=True))
-                return
-            # Later calls: the same hooks under the same ids, where torch keeps them. A compiled
-            # block guards on its modules' hook ids: new ids each call would recompile it.
-            for (mod, is_pre, hook), handle in zip(self._specs, self._call_handles):
-                if is_pre:
+            self._attached.add(phase)
+            for k, (mod, is_pre, hook, when) in enumerate(self._specs):
+                if when != phase:
+                    continue
+                handle = self._call_handles[k]
+                if handle is None:  # the first time: registered as torch does
+                    self._call_handles[k] = (mod.register_forward_pre_hook(hook, prepend=True) if is_pre
+                                             else mod.register_forward_hook(hook, always_call=True))
+                # Later: the same hook under the same id, where torch keeps it. A compiled block
+                # guards on its modules' hook ids: new ids each call would recompile it.
+                elif is_pre:
                     mod._forward_pre_hooks[handle.id] = hook
                     mod._forward_pre_hooks.move_to_end(handle.id, last=False)
                 else:
@@ -222,14 +228,15 @@ class ModuleBinding:
                     mod._forward_hooks_always_called[handle.id] = True
 
     def _detach_if_idle(self) -> None:
-        """Take the call hooks off the module when no call runs and no call's graph lives (no
+        """Take the hooks off the module when no call runs and no call's graph lives (no
         backward can recompute a forward of it)."""
         with self._users_lock:
             if self._users or self._watch or not self._attached:
                 return
-            self._attached = False
+            self._attached.clear()
             for handle in self._call_handles:
-                handle.remove()
+                if handle is not None:
+                    handle.remove()
 
     def _call_gone(self, ref: weakref.ref) -> None:
         with self._users_lock:
@@ -296,7 +303,7 @@ class ModuleBinding:
 
         for slots in owners.values():
             mod = slots[0][1]
-            self._specs += [(mod, True, pre(slots)), (mod, False, post)]
+            self._specs += [(mod, True, pre(slots), _RECOMPUTE), (mod, False, post, _RECOMPUTE)]
 
     def _rebind_in(self, mod: torch.nn.Module, slots: list[tuple[str, torch.nn.Module, str]]) -> bool:
         """In a forward recomputed during backward: put the parameters of the call whose backward
@@ -350,7 +357,7 @@ class ModuleBinding:
             slots = self._slots(names)
             self.unit_params.update({n: Unbound(named[n], n, mname) for n in names})
             mod = modules[mname]
-            self._specs += [(mod, True, self._enter_hook(i, slots)), (mod, False, self._leave_hook(i))]
+            self._specs += [(mod, True, self._enter_hook(i, slots), _CALL), (mod, False, self._leave_hook(i), _CALL)]
 
     def _call(self) -> UnitGatherer | UnitViews | None:
         """The units of the call of this binding that a unit module running now belongs to."""
@@ -530,7 +537,7 @@ class ModuleBinding:
             memo[id(p)] = torch.nn.Parameter(like, requires_grad=p.requires_grad)
         for b in self.module.buffers():
             memo[id(b)] = torch.empty_like(b, device="meta")
-        ours = {h.id for h in self._handles + self._call_handles}
+        ours = {h.id for h in self._handles + self._call_handles if h is not None}
         if self.donated:
             ours.update(h.id for h in self._refusing)
         out = copy.deepcopy(self.module, memo)
@@ -555,9 +562,9 @@ class ModuleBinding:
     def remove(self) -> None:
         """Take every hook zfunc added to the module away, for good (a donated module stays empty)."""
         self._removed = True
-        self._attached = False
+        self._attached.clear()
         _remove(self._handles)
-        _remove(self._call_handles)
+        _remove([h for h in self._call_handles if h is not None])
         self.unit_params = {}
         self._members = []
         self.gather_plan = None  # no hook waits for a unit now: apply_step gathers before returning
@@ -577,6 +584,8 @@ class ModuleBinding:
             with self._users_lock:
                 self._pending.add(call)
                 self._watch.add(weakref.ref(call, lambda ref: me() is not None and me()._call_gone(ref)))
+            # A backward reaching the call's outputs puts the recompute hooks on (`calls._entered`)
+            call.on_backward = lambda: me() is not None and me().attach(_RECOMPUTE)
 
 
 def _rebuilt(module: torch.nn.Module, layout: Layout, stage: int,

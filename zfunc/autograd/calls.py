@@ -81,6 +81,9 @@ def _entered(call: Any, grad_outputs: Any) -> None:
     global BACKWARDS
     task = graph_task()
     call.tasks.add(task)
+    on_backward = getattr(call, "on_backward", None)  # the binding's recompute hooks go on
+    if on_backward is not None:
+        on_backward()
     with _LOCK:
         ENTERED.setdefault(task, [threading.get_ident(), 0])[1] += 1
         BACKWARDS += 1

@@ -41,10 +41,14 @@ from zfunc.errors import refuse_create_graph
 
 __all__ = ["UnitGatherer", "track_gathered", "check_same_units"]
 
-_STATS = {"live": 0, "peak": 0}
+_STATS = {"live": 0, "peak": 0, "tracking": 0}
 
 
 def _count_bytes(full: torch.Tensor) -> torch.Tensor:
+    """``full``, counted while a `track_gathered` block runs (a finalizer per buffer then; none
+    otherwise)."""
+    if not _STATS["tracking"]:
+        return full
     n = full.numel() * full.element_size()
     _STATS["live"] += n
     _STATS["peak"] = max(_STATS["peak"], _STATS["live"])
@@ -69,10 +73,12 @@ def track_gathered() -> Iterator[dict[str, int]]:
     """
     base = _STATS["live"]
     _STATS["peak"] = base
+    _STATS["tracking"] += 1
     out = {"peak": 0}
     try:
         yield out
     finally:
+        _STATS["tracking"] -= 1
         out["peak"] = _STATS["peak"] - base
 
 
