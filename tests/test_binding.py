@@ -411,3 +411,28 @@ def test_state_is_data_and_zfunc_has_no_import_circle():
         visit(m, [m])
     assert "zfunc.core.config" not in _imports(modules["zfunc.core.deepspeed_config"])
     assert _imports(modules["zfunc.errors"]) == set()
+
+
+def test_an_interrupt_inside_a_unit_leaves_the_module_free():
+    """A ``KeyboardInterrupt`` raised inside a unit's forward skips torch's post-hooks; the
+    call still gives the module back: its hooks come off, no saved-tensor hook stays pushed, and
+    another thread may run it."""
+    import gc
+    import threading
+
+    for stage, units in ((3, ["0"]), (2, ["0"])):
+        model = _stack()
+        state = zfunc.init(model, zfunc.Config(stage=stage, units=units, persist_threshold=0))
+        stop = model[0].register_forward_hook(lambda m, a, out: (_ for _ in ()).throw(KeyboardInterrupt))
+        with pytest.raises(KeyboardInterrupt):
+            zfunc.backward_step(state, _loss_fn, torch.ones(2, model[0].in_features))
+        stop.remove()
+        gc.collect()  # the traceback's frames held the interrupted call
+        assert not state.binding._users and not state.binding._attached, stage
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None, stage  # none left pushed
+        done: list[bool] = []
+        worker = threading.Thread(target=lambda: done.append(
+            zfunc.backward_step(state, _loss_fn, torch.ones(2, model[0].in_features))[0] is not None))
+        worker.start()
+        worker.join()
+        assert done == [True], stage

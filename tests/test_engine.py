@@ -398,6 +398,8 @@ def test_an_engine_dropped_without_destroy_goes_with_its_hooks(stage):
     cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
            "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}}
+    import torch._dynamo  # noqa: F401 - torch's first optimizer imports it, leaving a frame cycle behind
+
     gc.collect()
     gc.disable()
     try:
@@ -613,3 +615,35 @@ def test_a_meta_built_model_at_stage_3_shows_empty_tensors_as_deepspeeds_partiti
     engine.backward(engine(torch.ones(1, 3)).sum())
     engine.step()
     assert zfunc.utils.safe_get_full_fp32_param(params[0]).shape == (4, 3)
+
+
+def test_a_copy_of_the_engine_state_outlives_the_engine():
+    """``copy.deepcopy(engine.state)`` shares the module: the engine's ``destroy()`` takes only
+    the engine's hooks off, so the copy trains on (stage 3 with units: its unit hooks still go
+    on per call), exactly as a pickled copy does; a state kept past a dropped engine leaves the
+    module's own calls plain; the pickled module is code, without the engine's state_dict guard."""
+    import copy
+    import pickle
+
+    for stage in (1, 3):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+               "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}
+        engine, *_ = zfunc.initialize(model=model, config=cfg)
+        engine.backward(engine(torch.randn(2, 3)).square().mean())
+        engine.step()
+        best = copy.deepcopy(engine.state)
+        twin = pickle.loads(pickle.dumps(best))
+        twin.module.state_dict()  # code only: no engine guard came with it
+        engine.backward(engine(torch.randn(2, 3)).square().mean())
+        engine.step()
+        engine.destroy()
+        x = torch.randn(2, 3)
+        a, _ = zfunc.backward_step(best, lambda m, x: m(x).square().mean(), x)
+        b, _ = zfunc.backward_step(twin, lambda m, x: m(x).square().mean(), x)
+        assert torch.equal(a.grads, b.grads) and a.grads.abs().sum() > 0, stage
+    engine, *_ = zfunc.initialize(model=nn.Linear(3, 2), config=cfg | {"zero_optimization": {"stage": 1}})
+    kept, module = engine.state, engine.module
+    del engine, _
+    assert module(torch.ones(1, 3)).shape == (1, 2) and kept.step.item() == 0

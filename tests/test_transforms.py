@@ -79,15 +79,22 @@ class _Blocks(nn.Module):
         return self.out(h)
 
 
-def _compiled(rank: int, stage: int, compiled: bool, donate: bool = False) -> list[torch.Tensor]:
+def _compiled(rank: int, stage: int, how: str, donate: bool = False,
+              by_class: bool = False) -> list[torch.Tensor]:
+    """Three steps with the model ``"eager"``, compiled per block (``"blocks"``, torchtitan's way:
+    each block on its own, no graph break allowed), or compiled whole (``"whole"``: the compiled
+    model given to ``init``); the units named by path, or by class (each block's)."""
     import torch._dynamo
 
     torch._dynamo.reset()
     model = _Blocks()
-    if compiled:  # torchtitan's way: each block compiled on its own, no graph break allowed
+    if how == "whole":
+        model = torch.compile(model, backend="aot_eager")
+    elif how == "blocks":
         for i, b in enumerate(model.blocks):
             model.blocks[i] = torch.compile(b, fullgraph=True, backend="aot_eager")
-    units = ["blocks.0", "blocks.1"] if stage == 3 else None
+    by_path = ["blocks.0", "blocks.1"] if stage == 3 else None
+    units = ([nn.Sequential] if stage else None) if by_class else by_path
     state = zfunc.init(model, zfunc.Config(stage=stage, units=units, persist_threshold=0, grad_accum=2,
                                            optimizer=zfunc.adamw(lr=1e-2)), donate=donate)
     step = zfunc.train_step(lambda m, x: m(x).pow(2).mean())
@@ -99,31 +106,10 @@ def _compiled(rank: int, stage: int, compiled: bool, donate: bool = False) -> li
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_per_block_compile_fullgraph_trains_like_eager(stage):
     for world in (1, 2):
-        eager = run_ranks(_compiled, world, stage, False)
+        eager = run_ranks(_compiled, world, stage, "eager")
         for donate in (False, True):  # a donated module's refusing hooks trace without a break too
-            for a, b in zip(eager, run_ranks(_compiled, world, stage, True, donate)):
+            for a, b in zip(eager, run_ranks(_compiled, world, stage, "blocks", donate)):
                 assert max((x - y).abs().max().item() for x, y in zip(a, b)) <= 1e-6, (world, stage, donate)
-
-
-def _compiled_as(rank: int, stage: int, how: str) -> list[torch.Tensor]:
-    """Three steps with the model eager, compiled whole (``torch.compile(model)`` given to
-    ``init``), or compiled per block with the units named by class (each block's class)."""
-    import torch._dynamo
-
-    torch._dynamo.reset()
-    model = _Blocks()
-    units = [nn.Sequential] if stage else None
-    if how == "whole":
-        model = torch.compile(model, backend="aot_eager")
-    elif how == "blocks":
-        for i, b in enumerate(model.blocks):
-            model.blocks[i] = torch.compile(b, fullgraph=True, backend="aot_eager")
-    state = zfunc.init(model, zfunc.Config(stage=stage, units=units, persist_threshold=0, grad_accum=2,
-                                           optimizer=zfunc.adamw(lr=1e-2)))
-    step = zfunc.train_step(lambda m, x: m(x).pow(2).mean())
-    for i in range(3):
-        state = step(state, torch.randn(4, 3, generator=torch.Generator().manual_seed(10 * i + rank)))
-    return [t.clone() for t in zfunc.full_params(state).values()]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -131,9 +117,9 @@ def test_whole_model_and_blocks_by_class_compiled_train_like_eager(stage):
     """A compiled block named as a unit by its class is the compiled module (zfunc's unit hooks
     outside the compiled code, fullgraph holds); the whole model compiled trains too (at stage 3
     with a graph break at each unit, where it is gathered)."""
-    eager = run_ranks(_compiled_as, 2, stage, "eager")
+    eager = run_ranks(_compiled, 2, stage, "eager", False, True)
     for how in ("whole", "blocks"):
-        for a, b in zip(eager, run_ranks(_compiled_as, 2, stage, how)):
+        for a, b in zip(eager, run_ranks(_compiled, 2, stage, how, False, True)):
             assert max((x - y).abs().max().item() for x, y in zip(a, b)) <= 1e-6, (stage, how)
 
 
@@ -149,12 +135,12 @@ def _raised_then_compiled(rank: int) -> tuple[int, bool]:
         except RuntimeError as e:
             assert "create_graph" in str(e)
     left = zfunc.autograd.calls.BACKWARDS
-    return left, bool(_compiled(rank, 0, True))
+    return left, bool(_compiled(rank, 0, "blocks"))
 
 
 def test_compile_after_a_backward_that_raised():
     # A backward through a zfunc model that raised (here: refused create_graph) must not leave
     # the recompute hooks awake for the next compiled forward.
     for left, compiled in run_ranks(_raised_then_compiled, 1):
-        assert left > 0  # left counted by the error
-        assert compiled  # the next forward reset it: no graph break
+        assert left == 0  # forgotten as autograd let the raised backward go
+        assert compiled  # no graph break

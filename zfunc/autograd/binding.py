@@ -48,7 +48,7 @@ __all__ = ["ModuleBinding", "BoundModel", "was_donated"]
 _DONATED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 # The forward-hook dicts of a module that zfunc's hooks live in (for a copy of the module).
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs",
-               "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_state_dict_pre_hooks")
 
 
 def was_donated(module: torch.nn.Module) -> bool:
@@ -245,12 +245,18 @@ class ModuleBinding:
 
     @contextlib.contextmanager
     def occupied(self) -> Iterator[None]:
-        """`occupy` and `attach` for the block, `release` after it."""
+        """`occupy` and `attach` for the block, `release` after it. This thread's depth is put
+        back as it was even if the block raised past a unit's post-hook (torch runs those only
+        on an ``Exception``, not on a ``KeyboardInterrupt``)."""
+        me = threading.get_ident()
+        depth = self._users.get(me, 0)
         self.occupy()
         try:
             self.attach()
             yield
         finally:
+            with self._users_lock:
+                self._users[me] = depth + 1  # what a unit's post-hook skipped, forgotten
             self.release()
 
     def buckets(self, state: TrainState) -> tuple[Bucket, ...]:
@@ -336,7 +342,8 @@ class ModuleBinding:
                 f"activation checkpointing recomputes part of {type(self.module).__name__} during backward, "
                 f"and {len(mine)} forward calls of it through zfunc are differentiated by this backward (the model "
                 "called twice in one loss, or on its own output): zfunc cannot tell which call's parameters and "
-                "gradients the recomputation belongs to. Run each call's backward on its own, or leave "
+                "gradients the recomputation belongs to (a state and its copy.deepcopy share the module, so "
+                "their calls count as two calls of it). Run each call's backward on its own, or leave "
                 "checkpointing out of a model called more than once per backward")
         return mine[0] if mine else None
 
@@ -449,10 +456,11 @@ class ModuleBinding:
         self.donated = False
         _DONATED.discard(self.module)
 
-    def route(self, bound: Callable[[], BoundModel]) -> None:
+    def route(self, bound: Callable[[], BoundModel | None]) -> None:
         """Calls of the module itself run on the state ``bound()`` binds, as calls of the bound
         model do (the engine's ``engine.module``): same parameters, gradients into the state.
-        Two hooks on the top module do it."""
+        Two hooks on the top module do it; once ``bound()`` gives None (the engine is gone) they
+        take themselves off (`unroute`) and the call runs on the module's own tensors."""
         self._members = [(entries, attr, self.canonical.get(name, name)) for entries, attr, name in self.entries]
         me = weakref.ref(self)
         self._handles.append(self.module.register_forward_pre_hook(
@@ -466,14 +474,25 @@ class ModuleBinding:
         """Another hook on the module that leaves it with the binding (the engine's own)."""
         self._handles.append(handle)
 
-    def _route_in(self, bound: Callable[[], BoundModel], args: tuple, kwargs: dict) -> Any:
-        self._frames.append(None)
+    def unroute(self) -> None:
+        """Take the engine's hooks (`route`, `hold`) off the module; the hooks a call puts on
+        stay available to every state sharing the binding (`destroy()` of an engine whose
+        state was copied leaves the copy working)."""
+        _remove(self._handles)
+        self._members = []
+
+    def _route_in(self, bound: Callable[[], BoundModel | None], args: tuple, kwargs: dict) -> Any:
         if calls.current() is not None:  # zfunc's own call (functional_call) of the module
+            self._frames.append(None)
             return None
+        model = bound()
+        if model is None:  # the engine is gone: its hooks go, this call runs as the module's own
+            self.unroute()
+            return None
+        self._frames.append(None)
         self.occupy()
         try:
             self.attach()
-            model = bound()
             tensors, args, kwargs, contexts = model.prepare(args, kwargs)
         except BaseException:
             self.release()
@@ -560,7 +579,9 @@ class ModuleBinding:
         return _rebuilt, (self.skeleton(), self.layout, self.stage, self._units)
 
     def remove(self) -> None:
-        """Take every hook zfunc added to the module away, for good (a donated module stays empty)."""
+        """Take every hook zfunc added to the module away, for good, for every state sharing the
+        binding (a state's copies included): units then run unbound, as at stages 1-2 without
+        ``Config.units`` (a donated module stays empty)."""
         self._removed = True
         self._attached.clear()
         _remove(self._handles)

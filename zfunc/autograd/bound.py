@@ -208,6 +208,7 @@ class BoundModel(torch.nn.Module):
         except BaseException:
             with contextlib.suppress(Exception):  # collect the gathers started ahead (the error stays the news)
                 if self.gatherer is not None:
+                    self.gatherer.unwind()
                     self.gatherer.drop_ahead()
                 if self.pending is not None:
                     self.pending.wait_all()

@@ -32,9 +32,10 @@ __all__ = ["CALLS", "BACKWARDS", "ENTERED", "current", "enter", "leave", "reset"
 _CURRENT: contextvars.ContextVar[Any] = contextvars.ContextVar("zfunc_call", default=None)
 CALLS = 0
 # Backwards running through a zfunc call's outputs now: how many (``BACKWARDS``, a plain count
-# compiled hooks read), and by graph task the thread that entered it and its count. A backward
-# that raises never lowers them; a zfunc forward outside a backward forgets its own thread's
-# (`reset`), never another thread's backward in flight.
+# compiled hooks read), and by graph task the thread that entered it and its count. Each is
+# forgotten at its backward's end, or when autograd drops a raised backward's callbacks (`_Left`);
+# a zfunc forward outside a backward also forgets its own thread's (`reset`), never another
+# thread's backward in flight.
 BACKWARDS = 0
 ENTERED: dict[int, list[int]] = {}
 _LOCK = threading.Lock()
@@ -87,7 +88,26 @@ def _entered(call: Any, grad_outputs: Any) -> None:
     with _LOCK:
         ENTERED.setdefault(task, [threading.get_ident(), 0])[1] += 1
         BACKWARDS += 1
-    torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_left, task))  # at its end
+    torch.autograd.Variable._execution_engine.queue_callback(_Left(task))  # at its end, or when it fails
+
+
+class _Left:
+    """A backward's end, run by autograd as its final callback, or, when the backward raises
+    and autograd drops its callbacks unrun, as it lets this go: either way the backward stops
+    being counted, whichever thread ran it (on CUDA, autograd's device thread)."""
+
+    __slots__ = ("task",)
+
+    def __init__(self, task: int):
+        self.task: int | None = task
+
+    def __call__(self) -> None:
+        task, self.task = self.task, None
+        if task is not None:
+            _left(task)
+
+    def __del__(self) -> None:
+        self()
 
 
 def _left(task: int) -> None:

@@ -320,6 +320,16 @@ class UnitGatherer:
             self.live.pop(hooks[1], None)
         put_back(self.swapped.pop(i, []))
 
+    def unwind(self) -> None:
+        """A forward that raised past its units' post-hooks (torch runs those only on an
+        ``Exception``): pop the saved-tensor hooks they would have popped, innermost first. The
+        module's entries are the enclosing ``functional_call``'s to restore."""
+        for i in reversed(list(self.hooks)):
+            hooks, key = self.hooks.pop(i)
+            hooks.__exit__(None, None, None)
+            self.live.pop(key, None)
+        self.swapped.clear()
+
     def _saving(self) -> Any:
         """Saved-tensor hooks for the time one unit's module runs: a saved tensor that views a
         gathered unit is stored as a recipe and regathered when backward needs it. Pushed per

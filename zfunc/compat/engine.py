@@ -108,7 +108,8 @@ class Engine(ConfigAccessors, WeightsOut, torch.nn.Module):
         # engine.module(x) is engine(x): calls of the module run on the state, gradients included.
         # The engine keeps the binding whose hooks route them (a state assigned later may have another).
         self._router = self._state.binding
-        self._router.route(_weakly(self, Engine._bound))
+        me = weakref.ref(self)
+        self._router.route(lambda: None if me() is None else me()._bound())  # the engine gone: plain calls
         self._guard = model.register_state_dict_pre_hook(_no_stage3_state_dict) if cfg.stage == 3 else None
         if self._guard is not None:  # it leaves the module with the binding (dropped engine included)
             self._router.hold(self._guard)
@@ -519,7 +520,7 @@ class Engine(ConfigAccessors, WeightsOut, torch.nn.Module):
         if self._state is None:
             return
         self._return_weights()
-        self._router.remove()
+        self._router.unroute()  # the engine's hooks only: a copy of its state keeps training
         if self._guard is not None:
             self._guard.remove()
         self._destroyed = True
