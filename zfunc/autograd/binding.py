@@ -32,7 +32,8 @@ from zfunc.autograd import calls
 from zfunc.autograd.average import Average
 from zfunc.autograd.bound import BoundModel
 from zfunc.autograd.buckets import Bucket, Fold, ShardPool, plan_buckets
-from zfunc.autograd.swap import Swapped, put_back, swap_in
+from zfunc.autograd.routing import Routing
+from zfunc.autograd.swap import put_back, swap_in
 from zfunc.autograd.gather import UnitGatherer
 from zfunc._probes import graph_task
 from zfunc._probes import in_backward as _in_backward
@@ -84,7 +85,7 @@ def _remove_all(*lists: list[RemovableHandle | None]) -> None:
 _CALL, _RECOMPUTE = 0, 1  # the phases of `ModuleBinding.attach`
 
 
-class ModuleBinding:
+class ModuleBinding(Routing):
     """``module`` bound to ``layout``: the hooks zfunc adds to it, and `bind` for forward calls.
 
     Args:
@@ -455,85 +456,6 @@ class ModuleBinding:
             named[name].data = values[name].detach().to(named[name].dtype).clone()
         self.donated = False
         _DONATED.discard(self.module)
-
-    def route(self, bound: Callable[[], BoundModel | None]) -> None:
-        """Calls of the module itself run on the state ``bound()`` binds, as calls of the bound
-        model do (the engine's ``engine.module``): same parameters, gradients into the state.
-        Two hooks on the top module do it; once ``bound()`` gives None (the engine is gone) they
-        take themselves off (`unroute`) and the call runs on the module's own tensors."""
-        self._members = [(entries, attr, self.canonical.get(name, name)) for entries, attr, name in self.entries]
-        me = weakref.ref(self)
-        self._handles.append(self.module.register_forward_pre_hook(
-            lambda mod, args, kwargs: me()._route_in(bound, args, kwargs) if me() else None,
-            with_kwargs=True, prepend=True))
-        self._handles.append(self.module.register_forward_hook(
-            lambda mod, args, kwargs, out: me()._route_out(out) if me() else None, with_kwargs=True,
-            always_call=True))
-
-    def hold(self, handle: RemovableHandle) -> None:
-        """Another hook on the module that leaves it with the binding (the engine's own)."""
-        self._handles.append(handle)
-
-    def unroute(self) -> None:
-        """Take the engine's hooks (`route`, `hold`) off the module; the hooks a call puts on
-        stay available to every state sharing the binding (`destroy()` of an engine whose
-        state was copied leaves the copy working)."""
-        _remove(self._handles)
-        self._members = []
-
-    def _route_in(self, bound: Callable[[], BoundModel | None], args: tuple, kwargs: dict) -> Any:
-        if calls.current() is not None:  # zfunc's own call (functional_call) of the module
-            self._frames.append(None)
-            return None
-        model = bound()
-        if model is None:  # the engine is gone: its hooks go, this call runs as the module's own
-            self.unroute()
-            return None
-        self._frames.append(None)
-        self.occupy()
-        try:
-            self.attach()
-            tensors, args, kwargs, contexts = model.prepare(args, kwargs)
-        except BaseException:
-            self.release()
-            raise
-        # As functional_call does for the whole call (no public API can do it from hooks): the
-        # module's entries become the state's tensors until `_route_out` puts them back.
-        members = [(entries, attr, name) for entries, attr, name in self._members if name in tensors]
-        restore = (swap_in((entries, attr, tensors[name]) for entries, attr, name in members),
-                   [name for _, _, name in members])
-        stack = contextlib.ExitStack()
-        token = calls.enter(model)
-        try:
-            for c in contexts:
-                stack.enter_context(c)
-        except BaseException:
-            calls.leave(token)
-            self._put_back(restore, tensors)
-            self.release()
-            raise
-        self._frames[-1] = (model, tensors, restore, token, stack)
-        return args, kwargs
-
-    def _route_out(self, out: Any) -> Any:
-        frame = self._frames.pop() if self._frames else None
-        if frame is None:
-            return None
-        model, tensors, restore, token, stack = frame
-        try:
-            stack.close()
-            calls.leave(token)
-            self._put_back(restore, tensors)
-        finally:
-            self.release()
-        return model.finish(out, tensors)
-
-    @staticmethod
-    def _put_back(restore: tuple[Swapped, list[str]], tensors: dict[str, torch.Tensor]) -> None:
-        swapped, names = restore
-        for (entries, attr, _), name in zip(swapped, names):
-            tensors[name] = entries[attr]  # a buffer the module reassigned is its new value
-        put_back(swapped)
 
     def skeleton(self) -> torch.nn.Module:
         """A copy of the module as code: its submodules, attributes and the user's own hooks,
