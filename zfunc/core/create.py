@@ -304,11 +304,11 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
 
     Rank 0's parameter and buffer values are broadcast to every rank (as DDP and DeepSpeed do).
     The module's values are copied: it stays usable as plain torch, and ``init`` may be called on
-    it again. Forward hooks are added to it: on the unit modules (stage 3, and stages 1-2 with
-    ``Config.units``) and on each module holding parameters (for a forward that activation
-    checkpointing recomputes in backward). They act only inside zfunc's calls and their
-    backward, hold the state's binding weakly, and leave the module once no state holds it
-    (``state.binding.remove()`` takes them away earlier).
+    it again. zfunc's calls put forward hooks on it while they run: on the unit modules (stage
+    3, and stages 1-2 with ``Config.units``) from a call's start, and on each module holding
+    parameters once a backward reaches the call's outputs (for a forward that activation
+    checkpointing recomputes in backward). They come off when no call runs and no call's graph
+    lives: between calls the module carries none.
 
     Args:
         model: the module to train. Parameters with ``requires_grad=False`` stay frozen.
