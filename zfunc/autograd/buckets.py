@@ -436,7 +436,7 @@ class Rebind:
         >>> rb = Rebind(torch.arange(4.0), [[(0, Slot("w", (2, 2), 0))]], lambda k, g: got.append(g))
         >>> w = rb.views(["w"])["w"]
         >>> (w * 3).sum().backward(); w.tolist(), got[0].tolist()
-        ([[0.0, 1.0], [2.0, 3.0]], [3.0, 3.0, 3.0, 3.0])
+        ([[0.0, 1.0], [2.0, 3.0]], [[3.0, 3.0], [3.0, 3.0]])
     """
 
     def __init__(self, compute: torch.Tensor, buckets: list[list[tuple[Any, Slot]]], take: Any):
