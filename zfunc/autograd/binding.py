@@ -71,15 +71,13 @@ def _refuse_donated(module: torch.nn.Module) -> None:
         "weights with zfunc.full_params")
 
 
-def _remove(handles: list[RemovableHandle]) -> None:
-    for h in handles:
-        h.remove()
-    handles.clear()
-
-
-def _remove_all(*lists: list[RemovableHandle | None]) -> None:
+def _remove(*lists: list[RemovableHandle | None]) -> None:
+    """Take each hook of ``lists`` off its module and empty the lists."""
     for handles in lists:
-        _remove([h for h in handles if h is not None])
+        for h in handles:
+            if h is not None:
+                h.remove()
+        handles.clear()
 
 
 _CALL, _RECOMPUTE = 0, 1  # the phases of `ModuleBinding.attach`
@@ -121,7 +119,7 @@ class ModuleBinding(Routing):
         self._call_handles: list[RemovableHandle | None] = []  # by spec, once registered
         self._removed = False
         self._attached: set[int] = set()  # the phases on the module now
-        weakref.finalize(self, _remove_all, self._handles, self._call_handles)
+        weakref.finalize(self, _remove, self._handles, self._call_handles)
         self.unit_order: list[int] = []  # stage 3: the units the last forward ran, in order
         self._members: list[Any] = []  # set by `route`
         # The other names of a tied parameter or buffer, by its first name: a call passes the
@@ -506,8 +504,7 @@ class ModuleBinding(Routing):
         ``Config.units`` (a donated module stays empty)."""
         self._removed = True
         self._attached.clear()
-        _remove(self._handles)
-        _remove([h for h in self._call_handles if h is not None])
+        _remove(self._handles, self._call_handles)
         self.unit_params = {}
         self._members = []
         self.gather_plan = None  # no hook waits for a unit now: apply_step gathers before returning

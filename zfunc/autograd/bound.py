@@ -260,8 +260,6 @@ class BoundModel(torch.nn.Module):
         a low-precision model's dtype) and the contexts to run it in."""
         state = self.state
         lay, cfg, binding = state.layout, state.cfg, state.binding
-        if not in_backward():  # no backward runs here: forget any a raised error left counted
-            calls.reset()
         tensors = {**binding.unit_params, **state.frozen, **self.new_buffers}
         contexts: list[Any] = []
         if state.stage == 3:  # the root unit now; the others when their modules run

@@ -25,30 +25,17 @@ import torch
 from zfunc._tree import tree
 from zfunc._probes import graph_task, is_transformed
 
-__all__ = ["CALLS", "BACKWARDS", "ENTERED", "current", "enter", "leave", "reset", "nested", "mark_outputs",
-           "tensors_in"]
+__all__ = ["CALLS", "BACKWARDS", "ENTERED", "current", "enter", "leave", "nested", "mark_outputs", "tensors_in"]
 
 # The forward call running now, and how many run (any thread).
 _CURRENT: contextvars.ContextVar[Any] = contextvars.ContextVar("zfunc_call", default=None)
 CALLS = 0
 # Backwards running through a zfunc call's outputs now: how many (``BACKWARDS``, a plain count
-# compiled hooks read), and by graph task the thread that entered it and its count. Each is
-# forgotten at its backward's end, or when autograd drops a raised backward's callbacks (`_Left`);
-# a zfunc forward outside a backward also forgets its own thread's (`reset`), never another
-# thread's backward in flight.
+# compiled hooks read), and their counts by graph task. Each is forgotten at its backward's end,
+# or when autograd drops a raised backward's callbacks (`_Left`), whichever thread ran it.
 BACKWARDS = 0
-ENTERED: dict[int, list[int]] = {}
+ENTERED: dict[int, int] = {}
 _LOCK = threading.Lock()
-
-
-def reset() -> None:
-    """Forget the backwards this thread entered that a raised error left counted (no backward
-    runs in this thread now); other threads' backwards stay counted."""
-    global BACKWARDS
-    me = threading.get_ident()
-    with _LOCK:
-        for task in [t for t, (thread, _) in ENTERED.items() if thread == me]:
-            BACKWARDS -= ENTERED.pop(task)[1]
 
 
 def nested() -> bool:
@@ -86,7 +73,7 @@ def _entered(call: Any, grad_outputs: Any) -> None:
     if on_backward is not None:
         on_backward()
     with _LOCK:
-        ENTERED.setdefault(task, [threading.get_ident(), 0])[1] += 1
+        ENTERED[task] = ENTERED.get(task, 0) + 1
         BACKWARDS += 1
     torch.autograd.Variable._execution_engine.queue_callback(_Left(task))  # at its end, or when it fails
 
@@ -113,12 +100,9 @@ class _Left:
 def _left(task: int) -> None:
     global BACKWARDS
     with _LOCK:
-        entry = ENTERED.get(task)
-        if entry is None:  # forgotten by `reset` already
-            return
         BACKWARDS -= 1
-        entry[1] -= 1
-        if entry[1] == 0:
+        ENTERED[task] -= 1
+        if ENTERED[task] == 0:
             del ENTERED[task]
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch.distributed as dist
 
 from zfunc.distributed.comm import Group
+from zfunc.distributed.comm import world as default_world
 from zfunc.errors import ConfigError
 
 __all__ = ["Mesh", "make_mesh", "resolve", "shard_ranks"]
@@ -162,7 +163,6 @@ def resolve(ranks: tuple[int, ...], rank: int, shard_size: int) -> Mesh:
     world = dist.get_world_size() if here is not None else 1
     if here == ranks[rank]:
         if tuple(range(world)) == tuple(ranks):
-            from zfunc.distributed.comm import world as default_world
             return make_mesh(default_world(), shard_size)
         for _, mesh in _CACHE.values():  # a state over part of the world: a group made already
             if mesh.key() == (tuple(ranks), rank, shard_size):
