@@ -86,7 +86,7 @@ def _late_part(rank: int) -> str:
     state = zfunc.init(Stack(2), zfunc.Config(stage=2))
     sink = torch.zeros((), requires_grad=True).expand(state.grads.numel())
     sink.grad = torch.zeros(state.grads.numel())
-    views, rebind = bucket_views(state, sink, state.binding.buckets(state), state.binding._pool, Average(1, 2))
+    views, rebind = bucket_views(state, sink, state.binding.buckets(state), state.binding.pool, Average(1, 2))
     reducer = rebind.take.__self__
     for j, (_, slot) in enumerate(reducer.slots):
         rebind.take(j, torch.ones(slot.shape))

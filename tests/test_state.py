@@ -309,6 +309,50 @@ def test_a_tensor_kept_from_a_donated_state_never_reads_the_next_one():
         assert not torch.equal(zfunc.full_params(new)["weight"], before)  # and the step did move
 
 
+def _pooled(rank: int, stage: int) -> dict[str, Any]:
+    """A model whose accumulator and buckets pass the pool's 1 MiB floor, trained donated and not."""
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(1024, 700), nn.Tanh(), nn.Linear(700, 3))
+
+    cfg = zfunc.Config(stage=stage, grad_accum=2, bucket_mb=1, optimizer=zfunc.adamw(lr=1e-3))
+    loss_fn = lambda m, x: m(x).square().mean()  # noqa: E731
+    batch = lambda k: torch.randn(4, 1024, generator=torch.Generator().manual_seed(10 * k + rank))  # noqa: E731
+    plain, donated = zfunc.init(make(), cfg), zfunc.init(make(), cfg)
+    out: dict[str, Any] = {"reused": [], "kept_emptied": [], "plain_kept": [], "held": []}
+    for step in range(3):
+        for k in range(2):
+            plain, _ = zfunc.backward_step(plain, loss_fn, batch(2 * step + k))
+            donated, _ = zfunc.backward_step(donated, loss_fn, batch(2 * step + k), donate=True)
+        kept = donated.grads
+        before = plain.grads.clone()
+        held = plain.grads
+        plain = zfunc.apply_step(plain)
+        donated = zfunc.apply_step(donated, donate=True)
+        out["kept_emptied"].append(kept.numel() == 0)  # a tensor kept from the donated state reads nothing
+        out["plain_kept"].append(torch.equal(held, before))  # without donation the input stays as it was
+        out["held"].append(donated.binding.pool.held_bytes() >= donated.grads.numel() * 4)
+        pool = donated.binding.pool
+        held = pool.held_bytes()
+        probe, _ = zfunc.backward_step(donated, loss_fn, batch(99))  # its accumulator comes from the pool
+        out["reused"].append(pool.held_bytes() <= held - probe.grads.numel() * 4)
+    out["same"] = _bitwise_equal(_snapshot(plain), _snapshot(donated))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_donated_step_keeps_its_gradient_buffer_for_the_next(world):
+    """On the CPU the accumulator of a state donated to apply_step (and the bucket staging
+    buffers) go back to the binding's pool and the next step accumulates in them: no fresh pages
+    each step. Training is bitwise the same as without donation, a tensor kept from the donated
+    state is emptied, and a state not donated keeps its gradient."""
+    for stage in (0, 1, 2):
+        for r in run_ranks(_pooled, world, stage):
+            assert all(r["reused"]), (stage, r)
+            assert all(r["kept_emptied"]) and all(r["plain_kept"]), (stage, r)
+            assert r["same"] and all(r["held"]), (stage, r)
+
+
 def test_replace_checks_each_tensor_against_its_field():
     from tests.test_binding import BNNet
 

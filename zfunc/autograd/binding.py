@@ -31,7 +31,8 @@ from torch.utils.hooks import RemovableHandle
 from zfunc.autograd import calls
 from zfunc.autograd.average import Average
 from zfunc.autograd.bound import BoundModel
-from zfunc.autograd.buckets import Bucket, Fold, ShardPool, plan_buckets
+from zfunc.autograd.buckets import Bucket, Fold, plan_buckets
+from zfunc.distributed.pool import Pool
 from zfunc.autograd.routing import Routing
 from zfunc.autograd.swap import put_back, swap_in
 from zfunc.autograd.gather import UnitGatherer
@@ -151,7 +152,9 @@ class ModuleBinding(Routing):
         # (placeholders that refuse to compute), so the enclosing functional_call restores them.
         self.unit_params: dict[str, torch.Tensor] = {}
         self._buckets: tuple[Bucket, ...] | None = None
-        self._pool: ShardPool | None = None  # the bucket reducer's result buffers, with the buckets
+        # Large buffers kept between steps on the CPU (`zfunc.distributed.pool`): the gradient
+        # accumulator, the bucket reduces' staging buffers and results.
+        self.pool = Pool()
         self.gather_plan: GatherPlan | None = None  # stages 1-2 with units
         # The calls whose backward can still run (a `zfunc.autograd.buckets.Rebind` at stages 0-2, a
         # `UnitGatherer` at stage 3; each graph keeps its own), for a forward recomputed in
@@ -264,7 +267,6 @@ class ModuleBinding(Routing):
             cfg = state.cfg
             size = torch.empty((), dtype=cfg.reduce_dtype).element_size()
             self._buckets = plan_buckets(self.layout, max(1, int(cfg.bucket_mb * 2**20) // size))
-            self._pool = ShardPool(self.layout.units[0].shard, cfg.reduce_dtype, state.device)
         return self._buckets
 
     def _slots(self, names: list[str]) -> list[tuple[str, torch.nn.Module, str]]:

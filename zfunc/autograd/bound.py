@@ -243,10 +243,10 @@ class BoundModel(torch.nn.Module):
         state = self.state
         binding, cfg = state.binding, state.cfg
         if self.fold is not None:  # stages 0-1, the step's last micro-batch: reduced in backward
-            views, rebind = bucket_views(state, self.sinks[0], binding.buckets(state), binding._pool, self.avg,
+            views, rebind = bucket_views(state, self.sinks[0], binding.buckets(state), binding.pool, self.avg,
                                          self.fold)
         elif cfg.shards_grads and state.mesh.shard.size > 1:  # reduce-scattered bucket by bucket
-            views, rebind = bucket_views(state, self.sinks[0], binding.buckets(state), binding._pool, self.avg)
+            views, rebind = bucket_views(state, self.sinks[0], binding.buckets(state), binding.pool, self.avg)
         else:  # each gradient added into the local accumulator (a shard of one rank is all of it)
             views, rebind = local_views(state, self.sinks[0], binding.buckets(state), self.avg)
         rebind.frozen = state.frozen

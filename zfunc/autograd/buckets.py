@@ -51,12 +51,13 @@ from zfunc.autograd.average import Average
 from zfunc._probes import graph_task, hooks_active
 from zfunc.errors import refuse_create_graph
 from zfunc.distributed.layout import Layout, Slot
+from zfunc.distributed.pool import Pool
 from zfunc.distributed.widen import add_into, copy_into
 
 if TYPE_CHECKING:
     from zfunc.core.state import TrainState
 
-__all__ = ["Bucket", "Fold", "ShardPool", "Rebind", "plan_buckets", "bucket_views", "local_views", "reduce_group"]
+__all__ = ["Bucket", "Fold", "Rebind", "plan_buckets", "bucket_views", "local_views", "reduce_group"]
 
 _IN_FLIGHT = 4  # reductions running at once (bounds the memory of non-owned bucket copies)
 
@@ -99,22 +100,6 @@ def plan_buckets(layout: Layout, bucket_elements: int) -> tuple[Bucket, ...]:
                        for r in range(layout.world) if max(start, r * unit.shard) < min(stop, (r + 1) * unit.shard))
         out.append(Bucket(start=start, stop=stop, slots=tuple(slots), pieces=pieces))
     return tuple(out)
-
-
-class ShardPool:
-    """Shard-sized results for reductions that cannot land in the accumulator (its dtype is not
-    the reduce dtype), kept between backward passes (a large buffer allocated afresh every step
-    costs a page fault per page on the CPU). Nothing is allocated until first needed."""
-
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
-        self.numel, self.dtype, self.device = numel, dtype, device
-        self.free: list[torch.Tensor] = []
-
-    def take(self) -> torch.Tensor:
-        return self.free.pop() if self.free else torch.empty(self.numel, dtype=self.dtype, device=self.device)
-
-    def give(self, t: torch.Tensor) -> None:
-        self.free.append(t)
 
 
 class Fold:
@@ -167,7 +152,7 @@ class _Reducer:
     into the accumulator, or copied into its bucket's staging buffer); a bucket's reduce starts
     once all its parameters are in, in bucket order; the collector waits for them all."""
 
-    def __init__(self, state: TrainState, buckets: tuple[Bucket, ...], pool: ShardPool, sink: torch.Tensor,
+    def __init__(self, state: TrainState, buckets: tuple[Bucket, ...], pool: Pool, sink: torch.Tensor,
                  fold: Fold | None, avg: Average):
         self.buckets, self.state, self.pool, self.sink, self.fold = buckets, state, pool, sink, fold
         self.avg = avg  # the data-parallel mean, applied as each gradient is put in place
@@ -190,10 +175,13 @@ class _Reducer:
         self.opened = [False] * n
         self.folds = [False] * n  # the bucket's gradient goes into the accumulator, reduced there
         self.staged: list[torch.Tensor | None] = [None] * n  # else it is gathered here first
+        self.bases: list[torch.Tensor | None] = [None] * n  # the pool's buffer behind each staged one
+        self.busy = [0] * n  # collectives still reading a bucket's staging buffer
         self.complete = [False] * n
         self.next = 0
         self.works: collections.deque = collections.deque()
         self.out: torch.Tensor | None = None
+        self.out_base: torch.Tensor | None = None  # the pool's buffer behind ``out`` when not direct
         self.direct = False  # reducing into the accumulator (sink.grad) itself
 
     def take(self, j: int, grad: torch.Tensor) -> None:
@@ -207,7 +195,7 @@ class _Reducer:
                 "torch.utils.checkpoint.checkpoint(..., use_reentrant=False), torch's recommended mode")
         if not self.opened[k]:
             self._open(k)
-        self._place(k, slot.offset, grad.reshape(-1), again=j not in self.missing[k])
+        self._place(k, slot.offset, _flat_if_free(grad), again=j not in self.missing[k])
         self.missing[k].discard(j)
         if not self.missing[k]:
             self.complete[k] = True
@@ -225,31 +213,42 @@ class _Reducer:
             # added once instead: the sum rounds the same on every owner, as DeepSpeed's does.
             wide = acc is not None and acc.dtype == self.dtype and acc.element_size() >= 4
             self.direct = self.fold is not None or wide
-            self.out = acc if self.direct else self.pool.take()
+            if self.direct:
+                self.out = acc
+            else:
+                n = self.state.layout.units[0].shard
+                self.out_base = self.pool.take(n, self.dtype, self.state.device)
+                self.out = self.out_base.narrow(0, 0, n)
         if self.fold is not None and not (self.fold.enabled and self.fold.folded[k]):
             if self.fold.enabled:
                 self.fold.folded[k] = True  # this call's gradient joins the accumulator, reduced once
             self.folds[k] = True  # (not at the boundary after all: only added to the accumulator)
         else:
             b = self.buckets[k]
-            # Pages are only touched where written: at stage 2 the parts other ranks own.
-            self.staged[k] = torch.empty(b.stop - b.start, dtype=self.dtype, device=self.state.device)
+            n = b.stop - b.start
+            self.bases[k] = self.pool.take(n, self.dtype, self.state.device)
+            self.staged[k] = self.bases[k].narrow(0, 0, n)
 
     def _place(self, k: int, offset: int, grad: torch.Tensor, again: bool = False) -> None:
         n, factor = grad.numel(), self.avg.factor
         if self.folds[k]:  # the step's last micro-batch at stages 0-1: into the local accumulator
-            add_into(self.out.narrow(0, offset, n), grad, factor)
+            add_into(_shaped(self.out.narrow(0, offset, n), grad), grad, factor)
             return
         b, staged = self.buckets[k], self.staged[k]
+        flat = None
         for owner, start, stop in b.pieces:
             lo, hi = max(start, offset), min(stop, offset + n)
             if lo >= hi:
                 continue
-            part = grad.narrow(0, lo - offset, hi - lo)
+            if hi - lo == n:  # the whole gradient, as it came (a transposed one is not copied first)
+                part = grad
+            else:
+                flat = grad.reshape(-1) if flat is None else flat
+                part = flat.narrow(0, lo - offset, hi - lo)
             if self.fold is None and self.direct and owner == self.group.rank:  # straight into our shard
-                add_into(self.out.narrow(0, lo - owner * self.shard, hi - lo), part, factor)
+                add_into(_shaped(self.out.narrow(0, lo - owner * self.shard, hi - lo), part), part, factor)
             else:  # a second part of the gradient adds to the first
-                (add_into if again else copy_into)(staged.narrow(0, lo - b.start, hi - lo), part, factor)
+                (add_into if again else copy_into)(_shaped(staged.narrow(0, lo - b.start, hi - lo), part), part, factor)
 
     def _start(self, k: int) -> None:
         b = self.buckets[k]
@@ -270,6 +269,7 @@ class _Reducer:
             self._all_reduce_add(k, staged)
         else:
             self._reduce_pieces(k, staged)
+        self._unstage(k)
         while len(self.works) > _IN_FLIGHT:
             self._wait()
 
@@ -283,7 +283,7 @@ class _Reducer:
             handles = [comm.reduce_(self.out.narrow(0, start, stop - start), owner, "sum", self.group, async_op=True)
                        for owner, start, stop in b.pieces]
         self.fold.handles[k] = handles
-        self.works.extend((h, None, None) for h in handles)
+        self.works.extend((h, None, None, None) for h in handles)
 
     def _settle_fold(self, k: int) -> None:
         """A later call's gradient of a bucket the accumulator went into a reduce with: that reduce
@@ -305,9 +305,11 @@ class _Reducer:
                 elif not self.direct:
                     mine.copy_(piece)
                 # (direct at stage 2: the gradients were added into ``mine`` as they arrived)
-                self.works.append((comm.reduce_(mine, owner, "sum", self.group, async_op=True), None, None))
+                self.works.append((comm.reduce_(mine, owner, "sum", self.group, async_op=True, pool=self.pool),
+                                   None, None, None))
             else:  # sent from the staging buffer (only read)
-                self.works.append((comm.reduce_(piece, owner, "sum", self.group, async_op=True), staged, None))
+                self.busy[k] += 1
+                self.works.append((comm.reduce_(piece, owner, "sum", self.group, async_op=True), staged, None, k))
 
     def _all_reduce_add(self, k: int, staged: torch.Tensor) -> None:
         """Stage 0, a bucket reduced already in this micro-batch: all-reduce this gradient alone and
@@ -315,13 +317,23 @@ class _Reducer:
         b = self.buckets[k]
         self._settle_fold(k)
         region = self.out.narrow(0, b.start, b.stop - b.start)
-        self.works.append((comm.all_reduce_start(staged, "sum", self.group), staged, region))
+        self.busy[k] += 1
+        self.works.append((comm.all_reduce_start(staged, "sum", self.group), staged, region, k))
 
     def _wait(self) -> None:
-        work, buf, add_to = self.works.popleft()  # buf: a buffer of ours the collective works on
+        work, buf, add_to, k = self.works.popleft()  # buf: a buffer of ours the collective works on
         work.wait()
         if add_to is not None:
             add_to.add_(buf)
+        if k is not None:
+            self.busy[k] -= 1
+            self._unstage(k)
+
+    def _unstage(self, k: int) -> None:
+        """Bucket ``k``'s staging buffer back to the pool once no collective reads it any more."""
+        if self.busy[k] == 0 and self.bases[k] is not None:
+            self.pool.give(self.bases[k])
+            self.bases[k] = self.staged[k] = None
 
     def finish(self) -> list[torch.Tensor]:
         """Start what is not complete (unused parameters add zeros), wait for all, and return the
@@ -330,7 +342,7 @@ class _Reducer:
             self._start(k)
         while self.works:
             self._wait()
-        out, direct = self.out, self.direct
+        out, direct, base = self.out, self.direct, self.out_base
         self._reset()  # a second backward over the same graph (retain_graph) starts afresh
         if out is None:  # no bucket at all (nothing to reduce)
             out, direct = self.sink.grad, True
@@ -338,8 +350,19 @@ class _Reducer:
             # sink's accumulation (and its hooks, which the engine counts on) still runs
             return [torch.zeros((), dtype=out.dtype, device=out.device).expand(out.shape)]
         # Back to the pool once autograd has added it to the sink, at the end of this backward.
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: self.pool.give(out))
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self.pool.give(base))
         return [out]
+
+
+def _flat_if_free(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` flattened when that is a view; a strided one (a transposed matmul's) as it is."""
+    return grad.view(-1) if grad.is_contiguous() else grad
+
+
+def _shaped(region: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``region`` (flat, contiguous) viewed in ``grad``'s shape: a strided gradient is written
+    in one pass, without a contiguous copy of it first."""
+    return region.view(grad.shape) if grad.dim() != 1 else region
 
 
 class Collect(VmapAsIs, torch.autograd.Function):
@@ -475,7 +498,7 @@ class Rebind:
         return out
 
 
-def bucket_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, ...], pool: ShardPool,
+def bucket_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, ...], pool: Pool,
                  avg: Average, fold: Fold | None = None) -> tuple[dict[str, torch.Tensor], Rebind]:
     """Parameter views of ``state.compute`` whose gradients reach ``sink`` bucket by bucket
     (reduced into the full local accumulator with ``fold``, else reduce-scattered), each
@@ -525,7 +548,8 @@ def local_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, ..
     (unit,) = state.layout.units
 
     def add(start: int, grad: torch.Tensor) -> None:
-        add_into(sink.grad.narrow(0, start, grad.numel()), grad.reshape(-1), avg.factor)
+        grad = _flat_if_free(grad)
+        add_into(_shaped(sink.grad.narrow(0, start, grad.numel()), grad), grad, avg.factor)
 
     compute = state.compute
     hub = _Sink.apply(sink)

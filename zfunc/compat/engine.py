@@ -218,7 +218,7 @@ class Engine(ConfigAccessors, WeightsOut, torch.nn.Module):
         if not torch.is_grad_enabled():
             return bind(st, self._sinks, donate=True, avg=self._avg)
         if is_released(st.grads):
-            self._state = st = st.replace(grads=accumulator(st.grads, donate=True))
+            self._state = st = st.replace(grads=accumulator(st.grads, True, st.binding.pool))
             point_sinks(self._sinks, st, st.grads)
         if self.is_gradient_accumulation_boundary() and self._fold is None:
             self._fold = boundary_fold(st)  # every call until step() shares it

@@ -244,7 +244,7 @@ def backward_step(state: TrainState, loss_fn: Callable[..., Any], batch: Any, *,
     """
     check_room(state, "backward_step")
     fold = _ends_step(state)
-    grads = accumulator(state.grads, donate)
+    grads = accumulator(state.grads, donate, state.binding.pool)
     sinks = sinks_into(state, grads)
     model = bind(state, sinks, donate=donate, fold=fold)
     out = loss_fn(model, batch)
@@ -301,7 +301,7 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
     """
     check_room(state, "vjp")
     fold = _ends_step(state)
-    first = accumulator(state.grads, donate)
+    first = accumulator(state.grads, donate, state.binding.pool)
     sinks = sinks_into(state, first)
     args = list(args)
     wrt = []
@@ -331,7 +331,7 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
                 raise ValueError(f"pullback: cotangent shape {list(c.shape)} differs from output shape "
                                  f"{list(o.shape)}")
         if calls["n"]:  # an independent result: fresh gradient buffers behind the same sinks
-            grads = accumulator(state.grads, False)
+            grads = accumulator(state.grads, False, state.binding.pool)
             point_sinks(sinks, state, grads)
             if fold is not None:
                 fold.reset()
@@ -404,7 +404,7 @@ def accumulate(state: TrainState, grads: dict[str, torch.Tensor], *, loss: torch
         if cfg.shards_grads:
             flat = comm.reduce_scatter(flat, "sum", state.mesh.shard)
         unit_grads.append(flat.to(cfg.grad_accum_dtype))
-    grads = accumulator(state.grads, donate)
+    grads = accumulator(state.grads, donate, state.binding.pool)
     for part, g in zip(grad_views(state, grads), unit_grads):
         part.add_(g)
     new = record_micro(state, grads, loss=loss)

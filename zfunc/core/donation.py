@@ -65,15 +65,16 @@ def _message(by: str, what: str) -> str:
 
 
 def donate_(state: TrainState, by: str, new: TrainState | None = None,
-            written: tuple[str, ...] = ()) -> TrainState | None:
+            written: tuple[str, ...] = (), kept: tuple[torch.Tensor, ...] = ()) -> TrainState | None:
     """Take the tensors out of ``state``, given away to ``by`` with ``donate=True``; returns
     ``new`` (the state ``by`` made) holding tensors of its own.
 
     A tensor the caller kept from ``state`` before (``prev = state.params``, a leaf of
     `zfunc.tree.leaves`) must not silently read ``new``'s values: every tensor of the
-    ``written`` fields (those ``by`` updates in place) whose memory ``new`` reuses is emptied (it keeps its dtype and device and holds no elements,
-    so arithmetic with it fails on the shape), and ``new`` holds new tensor objects over that
-    memory. Nothing kept from a donated state aliases the next one.
+    ``written`` fields (those ``by`` updates in place) whose memory ``new`` reuses, or that
+    ``kept`` holds (buffers ``by`` keeps for later steps), is emptied (it keeps its dtype and
+    device and holds no elements, so arithmetic with it fails on the shape), and ``new`` holds
+    new tensor objects over that memory. Nothing kept from a donated state aliases the next one.
 
     Examples:
         >>> import torch, zfunc
@@ -95,7 +96,7 @@ def donate_(state: TrainState, by: str, new: TrainState | None = None,
     if new is not None:
         mine = {id(t) for t in old}
         new = tree.map(lambda t: t.detach() if isinstance(t, torch.Tensor) and id(t) in mine else t, new)
-        reused = {_memory(t) for t in tree.leaves(new) if isinstance(t, torch.Tensor)}
+        reused = {_memory(t) for t in (*tree.leaves(new), *kept) if isinstance(t, torch.Tensor)}
         for t in old:
             if _memory(t) in reused:
                 t.data = torch.empty(0, dtype=t.dtype, device=t.device)

@@ -16,6 +16,7 @@ from zfunc._tree import dataclass, field, tree
 
 if TYPE_CHECKING:
     from zfunc.autograd.binding import ModuleBinding
+    from zfunc.distributed.pool import Pool
     from zfunc.distributed.comm import Group
     from zfunc.core.config import Config
     from zfunc.distributed.layout import Layout
@@ -59,9 +60,10 @@ def is_released(grads: torch.Tensor) -> bool:
     return grads.dim() == 1 and grads.stride(0) == 0
 
 
-def accumulator(grads: torch.Tensor, donate: bool) -> torch.Tensor:
-    """A gradient buffer to accumulate into, holding ``grads``' values: zeros newly allocated for
-    a released one, else ``grads`` itself when donated, else a copy.
+def accumulator(grads: torch.Tensor, donate: bool, pool: Pool | None = None) -> torch.Tensor:
+    """A gradient buffer to accumulate into, holding ``grads``' values: zeros for a released one
+    (in a buffer of ``pool``'s when it has one, else newly allocated), else ``grads`` itself when
+    donated, else a copy.
 
     Examples:
         >>> import torch
@@ -70,7 +72,9 @@ def accumulator(grads: torch.Tensor, donate: bool) -> torch.Tensor:
         ([0.0, 0.0, 0.0], False)
     """
     if is_released(grads):
-        return torch.zeros(grads.shape, dtype=grads.dtype, device=grads.device)
+        if pool is None:
+            return torch.zeros(grads.shape, dtype=grads.dtype, device=grads.device)
+        return pool.take(grads.numel(), grads.dtype, grads.device).narrow(0, 0, grads.numel()).zero_()
     return grads if donate else grads.clone()
 
 

@@ -25,6 +25,7 @@ import dataclasses
 import torch
 
 import zfunc_kernels
+from zfunc.distributed.pool import whole
 from zfunc.distributed import comm
 from zfunc.core import opt_state
 from zfunc.core.donation import check_live, donate_
@@ -135,7 +136,7 @@ def _reduce(state: TrainState, donate: bool) -> torch.Tensor:
     cfg, mesh = state.cfg, state.mesh
     grads = state.grads
     if is_released(grads):  # a step without a micro-batch: zeros, a buffer of our own
-        grads, donate = accumulator(grads, donate), True
+        grads, donate = accumulator(grads, donate, state.binding.pool), True
     if not (cfg.shards_grads or state.reduced) and mesh.world.size > 1:
         wire = grads.to(cfg.reduce_dtype)
         if state.stage == 0:
@@ -297,8 +298,11 @@ def apply_step(state: TrainState, *, donate: bool = False, micro_batches: int | 
                         step=state.step + 1,
                         micro_step=torch.zeros_like(state.micro_step), loss_sum=torch.zeros_like(state.loss_sum),
                         metrics=metrics, reduced=host_flag(False), gathered=host_flag(gathered))
-    if donate:
-        new = donate_(state, "apply_step", new, ("params", "compute", "opt", "group_opts", "grads"))
+    if donate:  # the spent accumulator is kept for the next step's (zfunc.distributed.pool)
+        spent = () if is_released(state.grads) else (whole(state.grads),)
+        new = donate_(state, "apply_step", new, ("params", "compute", "opt", "group_opts", "grads"), kept=spent)
+        for buf in spent:
+            state.binding.pool.give(buf)
     return new
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from zfunc.distributed._vmap import VmapAsIs
+from zfunc.distributed.pool import Pool
 from zfunc.errors import refuse_create_graph
 from zfunc.distributed.widen import widened
 
@@ -195,15 +196,16 @@ class _Done:
 
 
 def reduce_(x: torch.Tensor, dst: int, op: str = "sum", group: Group | None = None, *,
-            async_op: bool = False) -> Any:
+            async_op: bool = False, pool: Pool | None = None) -> Any:
     """Reduce ``x`` over the ranks into rank ``dst``'s ``x``, in place (a rank within ``group``).
 
     Keep ``x`` unchanged until the handle is waited for; on the other ranks it is scratch
     afterwards. Returns a handle whose ``wait()`` returns once the result is in place (at once
     without ``async_op``). Where the group has a gloo twin (``group.p2p``) a sum of host tensors
     is point-to-point: every other rank sends its ``x`` to ``dst`` (and it is left as it was),
-    which adds them in rank order once they are in (`_sum_to`); otherwise it is the backend's
-    reduce (gloo's uses ``x`` as scratch).
+    which adds them in rank order once they are in (`_sum_to`; its receive buffers come from
+    ``pool`` and go back to it, when given); otherwise it is the backend's reduce (gloo's uses
+    ``x`` as scratch).
 
     Examples:
         >>> import torch, zfunc
@@ -215,7 +217,7 @@ def reduce_(x: torch.Tensor, dst: int, op: str = "sum", group: Group | None = No
     if group.size == 1:
         return _Done()
     if op == "sum" and group.p2p is not None and x.device.type == "cpu":
-        handle = _sum_to(x, dst, group, lambda parts: _add_all(x, parts))
+        handle = _sum_to(x, dst, group, lambda parts: _add_all(x, parts, pool), pool)
     else:
         handle = dist.reduce(x, _global(group, dst), op=_op(op), group=group.pg, async_op=True)
     if not async_op:
@@ -244,7 +246,7 @@ class _Summed:
         return True
 
 
-def _sum_to(x: torch.Tensor, dst: int, group: Group, finish: Any) -> _Summed:
+def _sum_to(x: torch.Tensor, dst: int, group: Group, finish: Any, pool: Pool | None = None) -> _Summed:
     """Rank ``dst`` receives every other rank's ``x`` and calls ``finish(received)`` (in rank
     order) when they are in; every other rank sends its ``x`` to ``dst``.
 
@@ -257,15 +259,21 @@ def _sum_to(x: torch.Tensor, dst: int, group: Group, finish: Any) -> _Summed:
     """
     if group.rank != dst:
         return _Summed([dist.isend(x, _global(group, dst), group=group.p2p)], [x])
-    parts = [torch.empty_like(x) for _ in range(group.size - 1)]
+    if pool is None:
+        parts = [torch.empty_like(x) for _ in range(group.size - 1)]
+    else:
+        parts = [pool.take(x.numel(), x.dtype, x.device) for _ in range(group.size - 1)]
     sources = [r for r in range(group.size) if r != dst]
-    works = [dist.irecv(p, _global(group, r), group=group.p2p) for p, r in zip(parts, sources)]
+    works = [dist.irecv(p.narrow(0, 0, x.numel()).view(x.shape), _global(group, r), group=group.p2p)
+             for p, r in zip(parts, sources)]
     return _Summed(works, parts, finish)
 
 
-def _add_all(out: torch.Tensor, parts: list[torch.Tensor]) -> None:
+def _add_all(out: torch.Tensor, parts: list[torch.Tensor], pool: Pool | None = None) -> None:
     for p in parts:
-        out.add_(p)
+        out.add_(p.narrow(0, 0, out.numel()).view(out.shape))
+        if pool is not None:
+            pool.give(p)
 
 
 def _slice_len(x: torch.Tensor, group: Group, what: str) -> int:
