@@ -69,6 +69,9 @@ def test_the_design_table_lists_every_interception_site():
     missing = sorted(f"{f}: {k} x{n - doc.get((f, k), 0)}" for (f, k), n in code.items() if n > doc.get((f, k), 0))
     extra = sorted(f"{f}: {k} x{n - code.get((f, k), 0)}" for (f, k), n in doc.items() if n > code.get((f, k), 0))
     assert not missing and not extra, f"in the code, not in docs/design.md: {missing}; in the table only: {extra}"
+    stated = re.search(r"There are (\d+) today", DESIGN.read_text())
+    assert stated and int(stated.group(1)) == sum(code.values()), (
+        f"docs/design.md says {stated and stated.group(1)} sites; the code has {sum(code.values())}")
 
 
 def test_the_scan_finds_each_kind():

@@ -1,6 +1,7 @@
 """Read-only queries of torch's autograd and functorch state that have no public equivalent,
 in one place: which backward runs, whether a transform runs (and a tensor is a transform's),
-whether saved-tensor hooks are in force, and the functorch switches zfunc's Functions use.
+whether saved-tensor hooks are in force, the functorch switches zfunc's Functions use, and
+whether a tensor is the only one over its memory.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Any
 import torch
 
 __all__ = ["graph_task", "in_backward", "in_transform", "hooks_active", "plain", "transforms_active",
-           "is_transformed", "unwrap_dead"]
+           "is_transformed", "unwrap_dead", "sole_owner"]
 
 
 def in_backward() -> bool:
@@ -57,3 +58,19 @@ def is_transformed(t: torch.Tensor) -> bool:
 def unwrap_dead(args: tuple) -> tuple:
     """``args`` with the wrappers of finished transforms unwrapped, as ``Function.apply`` does."""
     return torch._functorch.utils.unwrap_dead_wrappers(args)
+
+
+def sole_owner(t: torch.Tensor) -> bool:
+    """Whether ``t`` is the only tensor over its memory (no view of it, and nothing autograd
+    saved, is alive): then its buffer can be reused.
+
+    Examples:
+        >>> x = torch.empty(4)
+        >>> sole_owner(x)
+        True
+        >>> v = x[:2]
+        >>> sole_owner(x)
+        False
+    """
+    # the count includes the storage object made to ask
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2

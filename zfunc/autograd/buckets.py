@@ -175,13 +175,11 @@ class _Reducer:
         self.opened = [False] * n
         self.folds = [False] * n  # the bucket's gradient goes into the accumulator, reduced there
         self.staged: list[torch.Tensor | None] = [None] * n  # else it is gathered here first
-        self.bases: list[torch.Tensor | None] = [None] * n  # the pool's buffer behind each staged one
         self.busy = [0] * n  # collectives still reading a bucket's staging buffer
         self.complete = [False] * n
         self.next = 0
         self.works: collections.deque = collections.deque()
         self.out: torch.Tensor | None = None
-        self.out_base: torch.Tensor | None = None  # the pool's buffer behind ``out`` when not direct
         self.direct = False  # reducing into the accumulator (sink.grad) itself
 
     def take(self, j: int, grad: torch.Tensor) -> None:
@@ -216,18 +214,14 @@ class _Reducer:
             if self.direct:
                 self.out = acc
             else:
-                n = self.state.layout.units[0].shard
-                self.out_base = self.pool.take(n, self.dtype, self.state.device)
-                self.out = self.out_base.narrow(0, 0, n)
+                self.out = self.pool.take(self.state.layout.units[0].shard, self.dtype, self.state.device)
         if self.fold is not None and not (self.fold.enabled and self.fold.folded[k]):
             if self.fold.enabled:
                 self.fold.folded[k] = True  # this call's gradient joins the accumulator, reduced once
             self.folds[k] = True  # (not at the boundary after all: only added to the accumulator)
         else:
             b = self.buckets[k]
-            n = b.stop - b.start
-            self.bases[k] = self.pool.take(n, self.dtype, self.state.device)
-            self.staged[k] = self.bases[k].narrow(0, 0, n)
+            self.staged[k] = self.pool.take(b.stop - b.start, self.dtype, self.state.device)
 
     def _place(self, k: int, offset: int, grad: torch.Tensor, again: bool = False) -> None:
         n, factor = grad.numel(), self.avg.factor
@@ -331,9 +325,9 @@ class _Reducer:
 
     def _unstage(self, k: int) -> None:
         """Bucket ``k``'s staging buffer back to the pool once no collective reads it any more."""
-        if self.busy[k] == 0 and self.bases[k] is not None:
-            self.pool.give(self.bases[k])
-            self.bases[k] = self.staged[k] = None
+        if self.busy[k] == 0 and self.staged[k] is not None:
+            self.pool.give(self.staged[k])
+            self.staged[k] = None
 
     def finish(self) -> list[torch.Tensor]:
         """Start what is not complete (unused parameters add zeros), wait for all, and return the
@@ -342,7 +336,7 @@ class _Reducer:
             self._start(k)
         while self.works:
             self._wait()
-        out, direct, base = self.out, self.direct, self.out_base
+        out, direct = self.out, self.direct
         self._reset()  # a second backward over the same graph (retain_graph) starts afresh
         if out is None:  # no bucket at all (nothing to reduce)
             out, direct = self.sink.grad, True
@@ -350,7 +344,7 @@ class _Reducer:
             # sink's accumulation (and its hooks, which the engine counts on) still runs
             return [torch.zeros((), dtype=out.dtype, device=out.device).expand(out.shape)]
         # Back to the pool once autograd has added it to the sink, at the end of this backward.
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: self.pool.give(base))
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self.pool.give(out))
         return [out]
 
 

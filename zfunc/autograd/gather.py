@@ -35,7 +35,7 @@ from zfunc.distributed import comm
 from zfunc.distributed._vmap import VmapAsIs
 from zfunc.autograd.average import Average
 from zfunc.autograd.buckets import Collect
-from zfunc._probes import hooks_active, in_backward, in_transform, plain
+from zfunc._probes import hooks_active, in_backward, in_transform, plain, sole_owner
 from zfunc.autograd.swap import Swapped, put_back, swap_in
 from zfunc.errors import refuse_create_graph
 
@@ -184,7 +184,8 @@ class UnitGatherer:
         self.live: dict[int, int] = {}  # storage address -> unit index, during the unit's forward
         self.regathered: dict[int, torch.Tensor] = {}
         self.swapped: dict[int, Swapped] = {}  # unit -> what to restore
-        self.hooks: dict[int, tuple[Any, int]] = {}  # unit -> its saved-tensor hooks and buffer, while it runs
+        self.hooks: dict[int, tuple[Any, int, torch.Tensor]] = {}  # unit -> its saved-tensor hooks and buffer, while it runs
+        self.pool = state.binding.pool  # gathered buffers, reused once nothing reads them (`_recycle`)
         self.order: list[int] = []  # the units this call ran, in order
         self.entry: dict[int, int] = {}  # unit -> its place in `order`, while its module runs
         self.saved: set[int] = set()  # places in `order` whose saved tensors backward regathers
@@ -211,7 +212,16 @@ class UnitGatherer:
             weakref.finalize(self, hook.remove)
 
     def _done(self, i: int) -> None:
-        self.regathered.pop(i, None)
+        full = self.regathered.pop(i, None)
+        if full is not None:
+            self._recycle(full)
+
+    def _recycle(self, full: torch.Tensor) -> None:
+        """A gathered unit nothing needs any more back to the pool, if no tensor over it is left
+        (a view something kept, a saved tensor no hook turned into a recipe): then it is only
+        let go."""
+        if sole_owner(full):
+            self.pool.give(full)
 
     def _shard(self, i: int) -> torch.Tensor:
         lay = self.state.layout
@@ -221,7 +231,7 @@ class UnitGatherer:
         for i in units:
             if i not in self.ahead:
                 with plain():
-                    out, handle = comm.all_gather_start(self._shard(i), self.state.mesh.shard)
+                    out, handle = comm.all_gather_start(self._shard(i), self.state.mesh.shard, pool=self.pool)
                 self.ahead[i] = (_count_bytes(out), handle)
 
     def fetch(self, i: int) -> torch.Tensor:
@@ -229,16 +239,18 @@ class UnitGatherer:
         got = self.ahead.pop(i, None)
         if got is None:
             with plain():
-                return _count_bytes(comm.all_gather(self._shard(i), self.state.mesh.shard))
+                return _count_bytes(comm.all_gather(self._shard(i), self.state.mesh.shard, pool=self.pool))
         got[1].wait()
         return got[0]
 
     def drop_ahead(self) -> None:
         """A forward or backward is over: wait for and drop the prefetches nothing used, and
         rewind backward's place in `expect` (for a second backward over the same graph)."""
-        for _, handle in self.ahead.values():
+        ahead, self.ahead = self.ahead, {}
+        for _, handle in ahead.values():
             handle.wait()
-        self.ahead.clear()
+        for full, _ in ahead.values():
+            self._recycle(full)
         self.next_back = 0
 
     def gather(self, i: int) -> torch.Tensor:
@@ -310,7 +322,7 @@ class UnitGatherer:
             self.live[key] = i  # what the saved-tensor hooks look up
             hooks = self._saving()
             hooks.__enter__()
-            self.hooks[i] = (hooks, key)
+            self.hooks[i] = (hooks, key, full)
 
     def leave(self, i: int) -> None:
         """Unit ``i``'s module is done: release the gathered buffer (autograd keeps recipes)."""
@@ -319,13 +331,15 @@ class UnitGatherer:
             hooks[0].__exit__(None, None, None)
             self.live.pop(hooks[1], None)
         put_back(self.swapped.pop(i, []))
+        if hooks is not None:  # saved tensors of it are recipes: the buffer is free unless a view lives
+            self._recycle(hooks[2])
 
     def unwind(self) -> None:
         """A forward that raised past its units' post-hooks (torch runs those only on an
         ``Exception``): pop the saved-tensor hooks they would have popped, innermost first. The
         module's entries are the enclosing ``functional_call``'s to restore."""
         for i in reversed(list(self.hooks)):
-            hooks, key = self.hooks.pop(i)
+            hooks, key, _ = self.hooks.pop(i)
             hooks.__exit__(None, None, None)
             self.live.pop(key, None)
         self.swapped.clear()

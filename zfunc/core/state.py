@@ -74,7 +74,7 @@ def accumulator(grads: torch.Tensor, donate: bool, pool: Pool | None = None) -> 
     if is_released(grads):
         if pool is None:
             return torch.zeros(grads.shape, dtype=grads.dtype, device=grads.device)
-        return pool.take(grads.numel(), grads.dtype, grads.device).narrow(0, 0, grads.numel()).zero_()
+        return pool.take(grads.numel(), grads.dtype, grads.device).zero_()
     return grads if donate else grads.clone()
 
 

@@ -25,8 +25,8 @@ import dataclasses
 import torch
 
 import zfunc_kernels
-from zfunc.distributed.pool import whole
 from zfunc.distributed import comm
+from zfunc.distributed.pool import whole
 from zfunc.core import opt_state
 from zfunc.core.donation import check_live, donate_
 from zfunc.core.muon import muon_step
@@ -299,7 +299,7 @@ def apply_step(state: TrainState, *, donate: bool = False, micro_batches: int | 
                         micro_step=torch.zeros_like(state.micro_step), loss_sum=torch.zeros_like(state.loss_sum),
                         metrics=metrics, reduced=host_flag(False), gathered=host_flag(gathered))
     if donate:  # the spent accumulator is kept for the next step's (zfunc.distributed.pool)
-        spent = () if is_released(state.grads) else (whole(state.grads),)
+        spent = () if is_released(state.grads) else (whole(state.grads),)  # not emptied with state.grads
         new = donate_(state, "apply_step", new, ("params", "compute", "opt", "group_opts", "grads"), kept=spent)
         for buf in spent:
             state.binding.pool.give(buf)

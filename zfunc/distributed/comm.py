@@ -264,14 +264,13 @@ def _sum_to(x: torch.Tensor, dst: int, group: Group, finish: Any, pool: Pool | N
     else:
         parts = [pool.take(x.numel(), x.dtype, x.device) for _ in range(group.size - 1)]
     sources = [r for r in range(group.size) if r != dst]
-    works = [dist.irecv(p.narrow(0, 0, x.numel()).view(x.shape), _global(group, r), group=group.p2p)
-             for p, r in zip(parts, sources)]
+    works = [dist.irecv(p.view(x.shape), _global(group, r), group=group.p2p) for p, r in zip(parts, sources)]
     return _Summed(works, parts, finish)
 
 
 def _add_all(out: torch.Tensor, parts: list[torch.Tensor], pool: Pool | None = None) -> None:
     for p in parts:
-        out.add_(p.narrow(0, 0, out.numel()).view(out.shape))
+        out.add_(p.view(out.shape))
         if pool is not None:
             pool.give(p)
 
@@ -371,20 +370,22 @@ def reduce_scatter(x: torch.Tensor, op: str = "sum", group: Group | None = None)
     return reduce_scatter_(x, op, group)
 
 
-def all_gather(x: torch.Tensor, group: Group | None = None) -> torch.Tensor:
-    """Concatenate the flat ``x`` of every rank, in rank order.
+def all_gather(x: torch.Tensor, group: Group | None = None, *, pool: Pool | None = None) -> torch.Tensor:
+    """Concatenate the flat ``x`` of every rank, in rank order (into a buffer of ``pool``'s, when
+    given).
 
     Examples:
         >>> import torch, zfunc
         >>> zfunc.comm.all_gather(torch.tensor([1.0, 2.0])).tolist()
         [1.0, 2.0]
     """
-    out, handle = all_gather_start(x, group)
+    out, handle = all_gather_start(x, group, pool=pool)
     handle.wait()
     return out
 
 
-def all_gather_start(x: torch.Tensor, group: Group | None = None) -> tuple[torch.Tensor, Any]:
+def all_gather_start(x: torch.Tensor, group: Group | None = None, *,
+                     pool: Pool | None = None) -> tuple[torch.Tensor, Any]:
     """`all_gather` started asynchronously: ``(out, handle)``, ``out`` valid after ``handle.wait()``
     (stage 3 gathers the next unit this way while the current one computes).
 
@@ -398,7 +399,8 @@ def all_gather_start(x: torch.Tensor, group: Group | None = None) -> tuple[torch
     x = x.reshape(-1)
     if group.size == 1:
         return x.clone(), _Done()
-    out = x.new_empty(x.numel() * group.size)
+    n = x.numel() * group.size
+    out = x.new_empty(n) if pool is None else pool.take(n, x.dtype, x.device)
     return out, _all_gather_flat(out, x.contiguous(), group.pg, async_op=True)
 
 

@@ -27,18 +27,19 @@ _LENT = 256  # buffers out on loan remembered at most
 class Pool:
     """Flat buffers by dtype and device, each handed to one user at a time.
 
-    `take` returns a buffer of at least ``numel`` elements (the smallest free one that fits, else
-    a new one of exactly ``numel``), uninitialised; `give` takes back a whole buffer `take`
-    returned. A buffer the pool did not hand out is let go rather than kept: its memory may be
-    shared with tensors the pool knows nothing of.
+    `take` returns ``numel`` uninitialised elements over the smallest free buffer that holds them
+    (else a new one): a tensor of its own, not a view, so nothing keeps the buffer alive but the
+    tensors over it. `give` takes back the whole buffer under any tensor `take` returned. A
+    buffer the pool did not hand out is let go rather than kept: its memory may be shared with
+    tensors the pool knows nothing of.
 
     Examples:
         >>> pool = Pool()
         >>> a = pool.take(1 << 19, torch.float32, "cpu")
         >>> pool.give(a)
         >>> b = pool.take(1 << 18, torch.float32, "cpu")
-        >>> b.data_ptr() == a.data_ptr(), b.numel() == a.numel(), pool.held_bytes()
-        (True, True, 0)
+        >>> b.data_ptr() == a.data_ptr(), b.numel(), b._base is None, pool.held_bytes()
+        (True, 262144, True, 0)
         >>> pool.give(b); pool.held_bytes()
         2097152
     """
@@ -50,12 +51,14 @@ class Pool:
         self._lent: dict[tuple[int, int], None] = {}
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-        """A flat buffer of at least ``numel`` elements (narrow it to what you need)."""
+        """``numel`` elements, flat, over a buffer of the pool's."""
         free = self._free.get((dtype, torch.device(device)))
         if free:
             fits = [k for k, t in enumerate(free) if t.numel() >= numel]
             if fits:
-                return self._lend(free.pop(min(fits, key=lambda k: free[k].numel())))
+                buf = free.pop(min(fits, key=lambda k: free[k].numel()))
+                self._lend(buf)
+                return torch.empty(0, dtype=dtype, device=buf.device).set_(buf.untyped_storage(), 0, (numel,))
         return self._lend(torch.empty(numel, dtype=dtype, device=device))
 
     def _lend(self, buf: torch.Tensor) -> torch.Tensor:
@@ -65,17 +68,16 @@ class Pool:
                 del self._lent[next(iter(self._lent))]
         return buf
 
-    def give(self, buf: torch.Tensor) -> None:
-        """Keep ``buf`` (a whole flat buffer no one else uses) for a later `take`; on a GPU, or
-        when it is small, it is simply let go."""
-        key = _key(buf)
-        if buf.device.type != "cpu" or key not in self._lent:
+    def give(self, t: torch.Tensor) -> None:
+        """Keep the buffer under ``t`` (one `take` handed out, that no tensor reads any more but
+        those the caller lets go) for a later `take`; on a GPU, or when it is small, it is
+        simply let go."""
+        key = _key(t)
+        if t.device.type != "cpu" or key not in self._lent:
             return  # not one of ours (or on a GPU)
         del self._lent[key]
-        if buf.dim() != 1 or buf.storage_offset() or buf.untyped_storage().nbytes() != buf.numel() * buf.element_size():
-            raise ValueError("Pool.give: not a whole flat buffer (a view of a larger one would be handed out twice)")
-        if buf.numel() * buf.element_size() >= _MIN_BYTES:
-            self._free.setdefault((buf.dtype, buf.device), []).append(buf)
+        if key[1] >= _MIN_BYTES:
+            self._free.setdefault((t.dtype, t.device), []).append(whole(t))
 
     def held_bytes(self) -> int:
         """Bytes kept for reuse now."""
@@ -91,7 +93,7 @@ def _key(buf: torch.Tensor) -> tuple[int, int]:
 
 
 def whole(t: torch.Tensor) -> torch.Tensor:
-    """The whole flat buffer ``t`` is a view of (its storage, as ``t``'s dtype).
+    """The whole flat buffer ``t`` lies in (its storage, as ``t``'s dtype).
 
     Examples:
         >>> buf = torch.arange(6.0)
