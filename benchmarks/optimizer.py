@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -52,6 +51,7 @@ import numpy as np
 import torch
 
 import zfunc_kernels
+from machine import cpu_line
 
 INV_SCALE = 2.0**-16
 MAX_NORM = 1.0
@@ -312,7 +312,7 @@ def muon_exchange(d: int, layers: int, world: int, stage: int) -> tuple[float, f
 
 def muon_main(args: argparse.Namespace) -> None:
     torch.set_num_threads(int(args.threads.split(",")[0]))
-    print(f"# machine: {platform.machine()}, {platform.processor() or '?'}, {os.cpu_count()} cores; torch "
+    print(f"# machine: {cpu_line()}, {os.cpu_count()} cores; torch "
           f"{torch.__version__}; {torch.get_num_threads()} threads; GPT matrices d_model={args.d_model}, "
           f"{args.layers} layers; median of {args.repeats}")
     print("\n| Newton-Schulz in | matrices | parameters | zfunc Muon step ms | torch.optim.Muon ms | zfunc / torch |")
@@ -348,7 +348,7 @@ def main() -> None:
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
-        f"# machine: {platform.machine()}, {os.cpu_count()} cores, load average {load:.2f}; "
+        f"# machine: {cpu_line()}, {os.cpu_count()} cores, load average {load:.2f}; "
         f"torch {torch.__version__}, numba {numba.__version__}; device {args.device} "
         f"(zfunc_kernels backend {zfunc_kernels.backend() if args.device == 'cuda' else 'cpu'}); "
         f"{args.repeats} repeats"

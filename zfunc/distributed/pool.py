@@ -16,6 +16,8 @@ donation took away from the caller).
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 __all__ = ["Pool", "whole"]
@@ -49,17 +51,20 @@ class Pool:
         # (address, bytes) of the buffers handed out and not given back; those never given back
         # (the accumulator of a state not donated) are forgotten after a while
         self._lent: dict[tuple[int, int], None] = {}
+        self._lock = threading.Lock()  # states sharing a binding may step in two threads
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
         """``numel`` elements, flat, over a buffer of the pool's."""
-        free = self._free.get((dtype, torch.device(device)))
-        if free:
-            fits = [k for k, t in enumerate(free) if t.numel() >= numel]
+        with self._lock:
+            free = self._free.get((dtype, torch.device(device)))
+            fits = [k for k, t in enumerate(free or ()) if t.numel() >= numel]
             if fits:
                 buf = free.pop(min(fits, key=lambda k: free[k].numel()))
                 self._lend(buf)
                 return torch.empty(0, dtype=dtype, device=buf.device).set_(buf.untyped_storage(), 0, (numel,))
-        return self._lend(torch.empty(numel, dtype=dtype, device=device))
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        with self._lock:
+            return self._lend(buf)
 
     def _lend(self, buf: torch.Tensor) -> torch.Tensor:
         if buf.device.type == "cpu":
@@ -73,19 +78,22 @@ class Pool:
         those the caller lets go) for a later `take`; on a GPU, or when it is small, it is
         simply let go."""
         key = _key(t)
-        if t.device.type != "cpu" or key not in self._lent:
-            return  # not one of ours (or on a GPU)
-        del self._lent[key]
-        if key[1] >= _MIN_BYTES:
-            self._free.setdefault((t.dtype, t.device), []).append(whole(t))
+        with self._lock:
+            if t.device.type != "cpu" or key not in self._lent:
+                return  # not one of ours (or on a GPU)
+            del self._lent[key]
+            if key[1] >= _MIN_BYTES:
+                self._free.setdefault((t.dtype, t.device), []).append(whole(t))
 
     def held_bytes(self) -> int:
         """Bytes kept for reuse now."""
-        return sum(t.numel() * t.element_size() for free in self._free.values() for t in free)
+        with self._lock:
+            return sum(t.numel() * t.element_size() for free in self._free.values() for t in free)
 
     def clear(self) -> None:
         """Let every kept buffer go."""
-        self._free.clear()
+        with self._lock:
+            self._free.clear()
 
 
 def _key(buf: torch.Tensor) -> tuple[int, int]:
