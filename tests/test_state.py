@@ -353,6 +353,27 @@ def test_a_donated_step_keeps_its_gradient_buffer_for_the_next(world):
             assert r["same"] and all(r["held"]), (stage, r)
 
 
+def test_a_view_of_a_donated_gradient_never_reads_the_next_step():
+    """A tensor over the donated accumulator that is not the state's own leaf (a view the caller
+    made) keeps that step's values: the pool takes the buffer back only when no such tensor is
+    left; without a view it does."""
+    for stage in (0, 2):
+        torch.manual_seed(0)
+        cfg = zfunc.Config(stage=stage, bucket_mb=1, optimizer=zfunc.adamw(lr=1e-3))
+        state = zfunc.init(nn.Sequential(nn.Linear(1024, 700), nn.Tanh(), nn.Linear(700, 3)), cfg)
+        loss_fn = lambda m, x: m(x).square().mean()  # noqa: E731
+        state, _ = zfunc.backward_step(state, loss_fn, torch.randn(4, 1024), donate=True)
+        view, values = state.grads.detach(), state.grads.clone()
+        state = zfunc.apply_step(state, donate=True)
+        state, _ = zfunc.backward_step(state, loss_fn, torch.randn(4, 1024), donate=True)
+        assert torch.equal(view, values), stage
+        assert view.untyped_storage().data_ptr() != state.grads.untyped_storage().data_ptr()
+        del view
+        held = state.binding.pool.held_bytes()
+        state = zfunc.apply_step(state, donate=True)
+        assert state.binding.pool.held_bytes() > held, stage  # no view now: kept for the next step
+
+
 def test_replace_checks_each_tensor_against_its_field():
     from tests.test_binding import BNNet
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 __all__ = ["graph_task", "in_backward", "in_transform", "hooks_active", "plain", "transforms_active",
-           "is_transformed", "unwrap_dead", "sole_owner"]
+           "is_transformed", "unwrap_dead", "sole_owner", "tensors_over"]
 
 
 def in_backward() -> bool:
@@ -60,9 +60,22 @@ def unwrap_dead(args: tuple) -> tuple:
     return torch._functorch.utils.unwrap_dead_wrappers(args)
 
 
+def tensors_over(t: torch.Tensor) -> int:
+    """How many tensors are over ``t``'s memory, ``t`` included (views, tensors autograd saved).
+    A Python storage object someone keeps (``t.untyped_storage()``) is not counted.
+
+    Examples:
+        >>> x = torch.empty(4)
+        >>> v = x[:2]
+        >>> tensors_over(x)
+        2
+    """
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1  # less the storage object made to ask
+
+
 def sole_owner(t: torch.Tensor) -> bool:
-    """Whether ``t`` is the only tensor over its memory (no view of it, and nothing autograd
-    saved, is alive): then its buffer can be reused.
+    """Whether ``t`` is the only tensor over its memory (`tensors_over`): then, once ``t`` is let
+    go, nothing reads that memory any more and it can be reused.
 
     Examples:
         >>> x = torch.empty(4)
@@ -72,5 +85,4 @@ def sole_owner(t: torch.Tensor) -> bool:
         >>> sole_owner(x)
         False
     """
-    # the count includes the storage object made to ask
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2
+    return tensors_over(t) <= 1

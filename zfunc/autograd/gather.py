@@ -174,6 +174,16 @@ class _GatherUnit(VmapAsIs, torch.autograd.Function):
         return torch.zeros((), dtype=torch.float32, device=grad.device), None, None
 
 
+def _settled(ahead: dict[int, tuple[torch.Tensor, Any]]) -> list[torch.Tensor]:
+    """Wait for the prefetches in ``ahead``, empty it and return their buffers (their handles,
+    which hold views of them, are gone by then)."""
+    for _, handle in ahead.values():
+        handle.wait()
+    out = [full for full, _ in ahead.values()]
+    ahead.clear()
+    return out
+
+
 class UnitGatherer:
     """One forward call's stage-3 gathering: the sinks that receive each unit's gradient, the unit
     buffers gathered for the call (by storage address, while their module runs) and those
@@ -184,7 +194,8 @@ class UnitGatherer:
         self.live: dict[int, int] = {}  # storage address -> unit index, during the unit's forward
         self.regathered: dict[int, torch.Tensor] = {}
         self.swapped: dict[int, Swapped] = {}  # unit -> what to restore
-        self.hooks: dict[int, tuple[Any, int, torch.Tensor]] = {}  # unit -> its saved-tensor hooks and buffer, while it runs
+        # unit -> its saved-tensor hooks, the buffer's address and the buffer, while it runs
+        self.hooks: dict[int, tuple[Any, int, torch.Tensor]] = {}
         self.pool = state.binding.pool  # gathered buffers, reused once nothing reads them (`_recycle`)
         self.order: list[int] = []  # the units this call ran, in order
         self.entry: dict[int, int] = {}  # unit -> its place in `order`, while its module runs
@@ -246,10 +257,7 @@ class UnitGatherer:
     def drop_ahead(self) -> None:
         """A forward or backward is over: wait for and drop the prefetches nothing used, and
         rewind backward's place in `expect` (for a second backward over the same graph)."""
-        ahead, self.ahead = self.ahead, {}
-        for _, handle in ahead.values():
-            handle.wait()
-        for full, _ in ahead.values():
+        for full in _settled(self.ahead):
             self._recycle(full)
         self.next_back = 0
 

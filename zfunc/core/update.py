@@ -27,6 +27,7 @@ import torch
 import zfunc_kernels
 from zfunc.distributed import comm
 from zfunc.distributed.pool import whole
+from zfunc._probes import tensors_over
 from zfunc.core import opt_state
 from zfunc.core.donation import check_live, donate_
 from zfunc.core.muon import muon_step
@@ -298,11 +299,17 @@ def apply_step(state: TrainState, *, donate: bool = False, micro_batches: int | 
                         step=state.step + 1,
                         micro_step=torch.zeros_like(state.micro_step), loss_sum=torch.zeros_like(state.loss_sum),
                         metrics=metrics, reduced=host_flag(False), gathered=host_flag(gathered))
-    if donate:  # the spent accumulator is kept for the next step's (zfunc.distributed.pool)
-        spent = () if is_released(state.grads) else (whole(state.grads),)  # not emptied with state.grads
-        new = donate_(state, "apply_step", new, ("params", "compute", "opt", "group_opts", "grads"), kept=spent)
-        for buf in spent:
-            state.binding.pool.give(buf)
+    if donate:
+        # The spent accumulator is kept for the next step's (zfunc.distributed.pool) when it is one
+        # of the pool's and no tensor but the state's own leaf is over it (a view the caller made,
+        # or the engine's sinks, would read the next step's gradients): that leaf is emptied.
+        pool = state.binding.pool
+        spent = None if is_released(state.grads) else whole(state.grads)
+        reuse = spent is not None and pool.lent(spent) and tensors_over(spent) <= 2  # spent and state.grads
+        new = donate_(state, "apply_step", new, ("params", "compute", "opt", "group_opts", "grads"),
+                      kept=(spent,) if reuse else ())
+        if reuse:
+            pool.give(spent)
     return new
 
 

@@ -85,6 +85,11 @@ class Pool:
             if key[1] >= _MIN_BYTES:
                 self._free.setdefault((t.dtype, t.device), []).append(whole(t))
 
+    def lent(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lies in a buffer this pool handed out (and `give` would keep it)."""
+        with self._lock:
+            return t.device.type == "cpu" and _key(t) in self._lent
+
     def held_bytes(self) -> int:
         """Bytes kept for reuse now."""
         with self._lock:
