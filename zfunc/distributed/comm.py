@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from zfunc.distributed._vmap import VmapAsIs
-from zfunc.distributed.pool import Pool
+from zfunc.distributed.pool import Pool, buffer
 from zfunc.errors import refuse_create_graph
 from zfunc.distributed.widen import widened
 
@@ -259,10 +259,7 @@ def _sum_to(x: torch.Tensor, dst: int, group: Group, finish: Any, pool: Pool | N
     """
     if group.rank != dst:
         return _Summed([dist.isend(x, _global(group, dst), group=group.p2p)], [x])
-    if pool is None:
-        parts = [torch.empty_like(x) for _ in range(group.size - 1)]
-    else:
-        parts = [pool.take(x.numel(), x.dtype, x.device) for _ in range(group.size - 1)]
+    parts = [buffer(pool, x.numel(), x.dtype, x.device) for _ in range(group.size - 1)]
     sources = [r for r in range(group.size) if r != dst]
     works = [dist.irecv(p.view(x.shape), _global(group, r), group=group.p2p) for p, r in zip(parts, sources)]
     return _Summed(works, parts, finish)
@@ -400,7 +397,7 @@ def all_gather_start(x: torch.Tensor, group: Group | None = None, *,
     if group.size == 1:
         return x.clone(), _Done()
     n = x.numel() * group.size
-    out = x.new_empty(n) if pool is None else pool.take(n, x.dtype, x.device)
+    out = buffer(pool, n, x.dtype, x.device)
     return out, _all_gather_flat(out, x.contiguous(), group.pg, async_op=True)
 
 

@@ -20,7 +20,7 @@ import threading
 
 import torch
 
-__all__ = ["Pool", "whole"]
+__all__ = ["Pool", "whole", "buffer"]
 
 _MIN_BYTES = 1 << 20  # below this the allocator's own free lists do as well
 _LENT = 256  # buffers out on loan remembered at most
@@ -115,3 +115,13 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     """
     storage = t.untyped_storage()
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (storage.nbytes() // t.element_size(),))
+
+
+def buffer(pool: Pool | None, numel: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``numel`` uninitialised elements: from ``pool`` when there is one, else newly allocated.
+
+    Examples:
+        >>> buffer(None, 3, torch.float32, "cpu").shape
+        torch.Size([3])
+    """
+    return torch.empty(numel, dtype=dtype, device=device) if pool is None else pool.take(numel, dtype, device)
