@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zfunc._tree import dataclass, field, tree
-from zfunc.distributed.pool import Pool, buffer
 
 if TYPE_CHECKING:
     from zfunc.autograd.binding import ModuleBinding
+    from zfunc.distributed.pool import Pool
     from zfunc.distributed.comm import Group
     from zfunc.core.config import Config
     from zfunc.distributed.layout import Layout
@@ -72,7 +72,9 @@ def accumulator(grads: torch.Tensor, donate: bool, pool: Pool | None = None) -> 
         ([0.0, 0.0, 0.0], False)
     """
     if is_released(grads):
-        return buffer(pool, grads.numel(), grads.dtype, grads.device).zero_()
+        if pool is None:
+            return torch.zeros(grads.shape, dtype=grads.dtype, device=grads.device)
+        return pool.take(grads.numel(), grads.dtype, grads.device).zero_()
     return grads if donate else grads.clone()
 
 
