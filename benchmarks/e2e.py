@@ -172,6 +172,27 @@ def _adamw(params: list[torch.Tensor], kind: str) -> tuple[torch.optim.Optimizer
         return torch.optim.AdamW(params, lr=LR, weight_decay=WD, foreach=True), "foreach"
 
 
+_FWD: list[tuple[float, float]] = []  # this step's forwards: (wall s, main-thread CPU s) each
+
+
+def _loss(model: Any, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``lm_loss``, with the wall and main-thread CPU time of the forward noted for the by-phase
+    split (zfunc's ``backward_step`` calls it inside; the others call it directly)."""
+    t0, c0 = time.perf_counter(), time.thread_time()
+    out = lm_loss(model, mb)
+    _FWD.append((time.perf_counter() - t0, time.thread_time() - c0))
+    return out
+
+
+_MID: list[float] = []  # the main thread's CPU time where this step's backward ended
+
+
+def _mid() -> float:
+    """The end of the step's forward and backward: wall time returned, main-thread CPU noted."""
+    _MID.append(time.thread_time())
+    return time.perf_counter()
+
+
 # ----------------------------------------------------------------------------- contenders
 # Each setup returns (step_fn, info) where step_fn(batch) -> (t_fwd_bwd_end,) runs one full step
 # and info() -> dict with "state_bytes", "loss" (last step's loss, averaged over ranks), "note".
@@ -192,9 +213,9 @@ def _setup_ddp(precision: str, accum: int, compiled: bool = False):
         opt.zero_grad(set_to_none=True)
         for i, mb in enumerate(mbs):  # no all-reduce until the last micro-batch
             with ctx(), (ddp.no_sync() if i < len(mbs) - 1 else contextlib.nullcontext()):
-                loss = lm_loss(ddp, mb) / len(mbs)
+                loss = _loss(ddp, mb) / len(mbs)
                 loss.backward()
-        t_mid = time.perf_counter()
+        t_mid = _mid()
         torch.nn.utils.clip_grad_norm_(params, CLIP, foreach=True)
         opt.step()
         last["loss"] = loss.detach() * len(mbs)
@@ -226,9 +247,9 @@ def _setup_fsdp2(precision: str, accum: int, compiled: bool = False):
         opt.zero_grad(set_to_none=True)
         for i, mb in enumerate(mbs):  # reduce-scatter only after the last micro-batch
             model.set_requires_gradient_sync(i == len(mbs) - 1)
-            loss = lm_loss(model, mb) / len(mbs)
+            loss = _loss(model, mb) / len(mbs)
             loss.backward()
-        t_mid = time.perf_counter()
+        t_mid = _mid()
         torch.nn.utils.clip_grad_norm_(params, CLIP, foreach=True)
         opt.step()
         last["loss"] = loss.detach() * len(mbs)
@@ -269,10 +290,10 @@ def _setup_zfunc(stage: int, precision: str, accum: int, offload: str | None = N
             zfunc.core.backward._ends_step = lambda state: None
         try:
             for mb in mbs:
-                state, _ = zfunc.backward_step(state, lm_loss, mb, donate=True)
+                state, _ = zfunc.backward_step(state, _loss, mb, donate=True)
         finally:
             zfunc.core.backward._ends_step = ends_step
-        t_mid = time.perf_counter()
+        t_mid = _mid()
         box["state"] = zfunc.apply_step(state, donate=True)
         return t_mid
 
@@ -299,10 +320,10 @@ def _setup_engine(stage: int, precision: str, accum: int):
 
     def step(mbs):
         for mb in mbs[:-1]:
-            engine.backward(lm_loss(engine, mb))
+            engine.backward(_loss(engine, mb))
             engine.step()
-        engine.backward(lm_loss(engine, mbs[-1]))
-        t_mid = time.perf_counter()
+        engine.backward(_loss(engine, mbs[-1]))
+        t_mid = _mid()
         engine.step()
         engine.state.metrics.loss.item()  # the same sync the functional contender has in info
         return t_mid
@@ -349,11 +370,11 @@ def _setup_deepspeed(stage: int, precision: str, accum: int):
 
     def step(mbs):
         for mb in mbs[:-1]:
-            engine.backward(lm_loss(engine, mb))
+            engine.backward(_loss(engine, mb))
             engine.step()
-        loss = lm_loss(engine, mbs[-1])
+        loss = _loss(engine, mbs[-1])
         engine.backward(loss)
-        t_mid = time.perf_counter()
+        t_mid = _mid()
         engine.step()
         last["loss"] = loss.detach().float()
         return t_mid
@@ -431,6 +452,23 @@ def _profiled(kind: str, fn, rows: int) -> str:
     return buf.getvalue()
 
 
+def _timed(step, b) -> dict[str, float]:
+    """One step: wall, process CPU and main-thread CPU, each whole and up to the end of backward,
+    the forwards' share, and the minor page faults."""
+    _FWD.clear()
+    _MID.clear()
+    f0 = _faults()
+    c0, m0, t0 = time.process_time(), time.thread_time(), time.perf_counter()
+    t_mid = step(b)
+    t1, c1, m1 = time.perf_counter(), time.process_time(), time.thread_time()
+    return {"times": t1 - t0, "fwdbwd": t_mid - t0, "cpu": c1 - c0, "faults": _faults() - f0,
+            "main": m1 - m0, "main_fwdbwd": _MID[-1] - m0, "fwd": sum(w for w, _ in _FWD),
+            "main_fwd": sum(c for _, c in _FWD)}
+
+
+PHASE_KEYS = ("times", "fwdbwd", "cpu", "faults", "main", "main_fwdbwd", "fwd", "main_fwd")
+
+
 def run_rank(rank: int, name: str, precision: str, warmup: int, steps: int,
              profile: str | None, profile_steps: int, rows: int, accum: int = 1) -> dict[str, Any]:
     torch.set_num_threads(1)
@@ -451,22 +489,15 @@ def run_rank(rank: int, name: str, precision: str, warmup: int, steps: int,
         t0 = time.perf_counter()
         text = _profiled(profile, run, rows) if rank == 0 else (run() or "")
         return {"profile": text, "seconds": time.perf_counter() - t0}
-    totals, fwdbwd, cpu, faults = [], [], [], []
+    rec: dict[str, list[float]] = {k: [] for k in PHASE_KEYS}
     for b in batches[warmup:]:
         dist.barrier()
-        f0 = _faults()
-        c0, t0 = time.process_time(), time.perf_counter()
-        t_mid = step(b)
-        t1, c1 = time.perf_counter(), time.process_time()
-        totals.append(t1 - t0)
-        fwdbwd.append(t_mid - t0)
-        cpu.append(c1 - c0)
-        faults.append(_faults() - f0)
+        for k, v in _timed(step, b).items():
+            rec[k].append(v)
     out = info()
     if torch.get_num_threads() != 1:  # something in the contender's step changed it
         out["note"] += f"; WARNING: torch threads 1 -> {torch.get_num_threads()} during the run (not reset)"
-    out.update(times=totals, fwdbwd=fwdbwd, cpu=cpu, faults=faults, base_rss=base_rss, setup_rss=setup_rss,
-               peak_rss=_maxrss_bytes())
+    out.update(rec, base_rss=base_rss, setup_rss=setup_rss, peak_rss=_maxrss_bytes())
     return out
 
 
@@ -480,7 +511,7 @@ def run_rank_interleaved(rank: int, names: list[str], precision: str, warmup: in
     torch.set_num_threads(1)
     batches = _batches(rank, warmup + steps, accum)
     runs = {n: _setup(n, precision, accum) for n in names}
-    rec = {n: {"times": [], "fwdbwd": [], "cpu": [], "faults": [], "threads": set()} for n in names}
+    rec: dict[str, dict[str, Any]] = {n: {**{k: [] for k in PHASE_KEYS}, "threads": set()} for n in names}
     for b in batches[:warmup]:
         for n in names:
             torch.set_num_threads(1)
@@ -491,14 +522,8 @@ def run_rank_interleaved(rank: int, names: list[str], precision: str, warmup: in
         for n in names[k:] + names[:k]:
             torch.set_num_threads(1)  # one contender must not change the threads of the next
             dist.barrier()
-            f0 = _faults()
-            c0, t0 = time.process_time(), time.perf_counter()
-            t_mid = runs[n][0](b)
-            t1, c1 = time.perf_counter(), time.process_time()
-            rec[n]["times"].append(t1 - t0)
-            rec[n]["fwdbwd"].append(t_mid - t0)
-            rec[n]["cpu"].append(c1 - c0)
-            rec[n]["faults"].append(_faults() - f0)
+            for key, v in _timed(runs[n][0], b).items():
+                rec[n][key].append(v)
             rec[n]["threads"].add(torch.get_num_threads())
     for n in names:
         changed = sorted(rec[n].pop("threads") - {1})
@@ -523,10 +548,42 @@ def _summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     return {"median": statistics.median(step_max), "min": min(step_max), "max": max(step_max), "steps": step_max,
             "cpu": statistics.median(cpu_max), "faults": statistics.median(faults_max),
             "fwdbwd": statistics.median(fb_max), "opt": statistics.median(opt_max),
+            "phases": _phases(per_rank),
             "peak_rss": [r["peak_rss"] for r in per_rank],
             "add_rss": [r["peak_rss"] - r["base_rss"] for r in per_rank],
             "state": [r["state_bytes"] for r in per_rank],
             "loss": per_rank[0]["loss"], "note": per_rank[0]["note"]}
+
+
+def _phases(per_rank: list[dict[str, Any]]) -> dict[str, float]:
+    """The slowest rank's step split by phase (medians over steps, seconds): forward, backward
+    and optimizer each as wall time and the main thread's CPU time (the wall time beyond it is
+    waiting: for a collective, or for the core), and the CPU time of the process's other threads
+    (gloo's workers: the collectives' copies and sums)."""
+    n = len(per_rank[0]["times"])
+    slow = [max(per_rank, key=lambda r: r["times"][i]) for i in range(n)]
+    def med(f) -> float:
+        return statistics.median(f(r, i) for i, r in enumerate(slow))
+    return {"fwd": med(lambda r, i: r["fwd"][i]), "fwd_cpu": med(lambda r, i: r["main_fwd"][i]),
+            "bwd": med(lambda r, i: r["fwdbwd"][i] - r["fwd"][i]),
+            "bwd_cpu": med(lambda r, i: r["main_fwdbwd"][i] - r["main_fwd"][i]),
+            "opt": med(lambda r, i: r["times"][i] - r["fwdbwd"][i]),
+            "opt_cpu": med(lambda r, i: r["main"][i] - r["main_fwdbwd"][i]),
+            "comm_cpu": med(lambda r, i: r["cpu"][i] - r["main"][i])}
+
+
+def _phase_table(results: dict[str, dict[str, Any]]) -> str:
+    """By phase, ms: wall time (main thread's CPU time) per phase, and the other threads' CPU."""
+    head = ("| contender | step | forward | backward | optimizer | waiting (wall - main CPU) | "
+            "collective threads' CPU |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for name, r in results.items():
+        p = r["phases"]
+        wait = sum(p[k] - p[k + "_cpu"] for k in ("fwd", "bwd", "opt"))
+        lines.append(f"| {name} | {r['median'] * 1e3:.0f} | " + " | ".join(
+            f"{p[k] * 1e3:.0f} ({p[k + '_cpu'] * 1e3:.0f})" for k in ("fwd", "bwd", "opt"))
+            + f" | {wait * 1e3:.0f} | {p['comm_cpu'] * 1e3:.0f} |")
+    return "\n".join(lines)
 
 
 def _pairs(names: list[str]) -> list[tuple[str, str]]:
@@ -674,6 +731,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     if results:
         print()
         print(_table(results))
+        print("\nby phase, ms (slowest rank, median over steps): wall (main thread's CPU); the wall time beyond the "
+              "main thread's CPU is waiting, for a collective or for the core")
+        print(_phase_table(results))
         paired = _paired(results, interleaved)
         if paired:
             print("\n" + paired)
@@ -686,7 +746,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
             json.dump({"precision": args.precision, "grad_accum": args.grad_accum, "steps": args.steps,
                        "interleave": args.interleave,
                        "results": {n: {k: r[k] for k in ("median", "min", "max", "cpu", "fwdbwd", "opt", "loss",
-                                                         "steps", "faults")}
+                                                         "steps", "faults", "phases")}
                                    | {"state_mib": r["state"][0]["total"] / 2**20} for n, r in results.items()}},
                       f, indent=1)
     return results
