@@ -52,6 +52,13 @@ def test_two_models_vjp():
     assert "check: both models match one joint backward and AdamW step" in out
 
 
+@pytest.mark.timeout(240)
+def test_rl_weight_sync():
+    out = _example("rl_weight_sync.py", "--steps", "16", "--sync-every", "2", timeout=200.0)
+    assert "check: after each of 8 pushes the generator held the trainer's weights bitwise" in out
+    assert "check: the mean reward rose" in out
+
+
 @pytest.mark.timeout(300)
 def test_hf_causal_lm():
     pytest.importorskip("transformers")

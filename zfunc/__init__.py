@@ -34,6 +34,7 @@ from zfunc.core.backward import vjp as vjp
 from zfunc.core.config import Config as Config
 from zfunc.core.create import full_params as full_params
 from zfunc.core.create import init as init
+from zfunc.core.full_weights import iter_full_params as iter_full_params
 from zfunc.core.optim import AdagradConfig as AdagradConfig
 from zfunc.core.optim import MuonConfig as MuonConfig
 from zfunc.core.optim import AdamConfig as AdamConfig
@@ -67,6 +68,8 @@ from zfunc.io.checkpoint import CheckpointError as CheckpointError
 from zfunc.io.checkpoint import export as export
 from zfunc.io.checkpoint import load as load
 from zfunc.io.checkpoint import save as save
+from zfunc.io.pretrained import load_weights as load_weights
+from zfunc.io.pretrained import save_pretrained as save_pretrained
 from zfunc.tools.launch import World as World
 from zfunc.tools.launch import launch as launch
 from zfunc.tools.memory import memory_plan as memory_plan
@@ -116,6 +119,9 @@ __all__ = [
     "comm",
     "export",
     "full_params",
+    "iter_full_params",
+    "load_weights",
+    "save_pretrained",
     "init",
     "init_distributed",
     "initialize",

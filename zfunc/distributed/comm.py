@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -28,7 +28,8 @@ from zfunc.distributed.widen import widened
 
 __all__ = ["Group", "world", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "broadcast_",
            "all_gather_object", "unit_params", "all_reduce_start", "reduce_", "reduce_scatter_",
-           "reduce_scatter_start", "all_gather_start", "all_gather_range_start"]
+           "reduce_scatter_start", "all_gather_start", "all_gather_range_start", "gather",
+           "gather_split"]
 
 _OPS = {"sum": "SUM", "avg": "AVG", "max": "MAX", "min": "MIN"}
 
@@ -399,6 +400,72 @@ def all_gather_start(x: torch.Tensor, group: Group | None = None, *,
     n = x.numel() * group.size
     out = buffer(pool, n, x.dtype, x.device)
     return out, _all_gather_flat(out, x.contiguous(), group.pg, async_op=True)
+
+
+def gather(x: torch.Tensor, dst: int, group: Group | None = None) -> torch.Tensor | None:
+    """Concatenate the flat ``x`` of every rank, in rank order, on rank ``dst`` only (a rank
+    within ``group``); the others send theirs and get ``None``. Only ``dst`` holds the whole.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> zfunc.comm.gather(torch.tensor([1.0, 2.0]), dst=0).tolist()
+        [1.0, 2.0]
+    """
+    group = group or world()
+    x = x.reshape(-1).contiguous()
+    if group.size == 1:
+        return x.clone()
+    out = torch.empty(x.numel() * group.size, dtype=x.dtype, device=x.device) if group.rank == dst else None
+    parts = list(out.chunk(group.size)) if out is not None else None
+    dist.gather(x, gather_list=parts, dst=_global(group, dst), group=group.pg)
+    return out
+
+
+def gather_split(x: torch.Tensor, sizes: Sequence[int], group: Group | None = None, *,
+                 dst: int | None = None) -> list[torch.Tensor] | None:
+    """The concatenation of every rank's flat ``x`` in rank order, cut at ``sizes`` into tensors
+    with storage of their own (what lies beyond ``sum(sizes)`` is dropped): on every rank, or
+    with ``dst`` on that rank of ``group`` alone (the others send their parts and get ``None``).
+
+    Each piece goes straight from the rank that holds it into its tensor (a broadcast per piece,
+    or a message to ``dst``), so no buffer of the whole concatenation exists anywhere, and a
+    receiver that lets go of a tensor frees it alone.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> [t.tolist() for t in zfunc.comm.gather_split(torch.arange(5.0), [2, 2])]
+        [[0.0, 1.0], [2.0, 3.0]]
+    """
+    group = group or world()
+    x = x.reshape(-1)
+    n, me = x.numel(), group.rank
+    if sum(sizes) > n * group.size:
+        raise ValueError(f"gather_split: sizes add up to {sum(sizes)}, more than the {n * group.size} "
+                         "elements of the concatenation")
+    receive = dst is None or dst == me
+    out = [torch.empty(k, dtype=x.dtype, device=x.device) for k in sizes] if receive else None
+    works, start = [], 0
+    for i, k in enumerate(sizes):
+        for r in range(start // n if n else 0, group.size):
+            lo, hi = max(start, r * n), min(start + k, (r + 1) * n)
+            if lo >= hi:
+                break
+            mine = x.narrow(0, lo - r * n, hi - lo) if r == me else None
+            into = out[i].narrow(0, lo - start, hi - lo) if out is not None else None
+            if r == me and into is not None:
+                into.copy_(mine)
+            if group.size == 1:
+                continue
+            if dst is None:
+                works.append(dist.broadcast(into, _global(group, r), group=group.pg, async_op=True))
+            elif r == me and me != dst:  # messages on the point-to-point twin where there is one
+                works.append(dist.isend(mine.contiguous(), _global(group, dst), group=group.p2p or group.pg))
+            elif me == dst and r != dst:
+                works.append(dist.irecv(into, _global(group, r), group=group.p2p or group.pg))
+        start += k
+    for w in works:
+        w.wait()
+    return out
 
 
 def all_gather_into(out: torch.Tensor, x: torch.Tensor, group: Group) -> torch.Tensor:

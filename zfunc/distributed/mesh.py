@@ -22,7 +22,7 @@ from zfunc.distributed.comm import Group
 from zfunc.distributed.comm import world as default_world
 from zfunc.errors import ConfigError
 
-__all__ = ["Mesh", "make_mesh", "resolve", "shard_ranks"]
+__all__ = ["Mesh", "make_mesh", "resolve", "shard_ranks", "global_ranks"]
 
 _CACHE: dict[tuple[Any, ...], tuple[Any, Mesh]] = {}  # by world: (the default group, its mesh)
 # The process groups a cached mesh made are let go of before the interpreter tears down: a gloo
@@ -57,7 +57,7 @@ class Mesh:
     def key(self) -> tuple[tuple[int, ...], int, int]:
         """What the mesh is, by value: the world's global ranks, this rank's place among them,
         and the shard size. Two meshes with one key talk over the same ranks the same way."""
-        return tuple(_ranks(self.world)), self.world.rank, self.shard.size
+        return tuple(global_ranks(self.world)), self.world.rank, self.shard.size
 
     def __eq__(self, other: object) -> bool:
         return self is other or (isinstance(other, Mesh) and self.key() == other.key())
@@ -78,8 +78,14 @@ class Mesh:
         return f"Mesh(world={self.world.size}, shard={self.shard.size}, replicas={self.replicas.size})"
 
 
-def _ranks(world: Group) -> list[int]:
-    """The global ranks of ``world``, in group-rank order."""
+def global_ranks(world: Group) -> list[int]:
+    """The global ranks of ``world``, in group-rank order.
+
+    Examples:
+        >>> import zfunc
+        >>> global_ranks(zfunc.comm.world())
+        [0]
+    """
     if world.size == 1:
         return [dist.get_rank() if dist.is_available() and dist.is_initialized() else 0]
     if world.pg is None:
@@ -121,7 +127,7 @@ def make_mesh(world: Group, shard_size: int | None) -> Mesh:
     n, k = world.size, shard_ranks(shard_size, world.size)
     if n == 1:
         return Mesh(world=world, shard=world, replicas=Group(rank=0, size=1))
-    ranks = _ranks(world)
+    ranks = global_ranks(world)
     key = (id(dist.group.WORLD), id(world.pg), tuple(ranks), k)
     cached = _CACHE.get(key)
     if cached is not None and cached[0] is dist.group.WORLD:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from zfunc.core import opt_state
@@ -11,7 +13,7 @@ from zfunc.distributed.layout import make_layout
 from zfunc.distributed.mesh import shard_ranks
 from zfunc.core.state import TrainState, accumulator_numel, is_released
 
-__all__ = ["memory_report", "memory_plan"]
+__all__ = ["memory_report", "memory_plan", "peak_allocated"]
 
 
 def memory_report(state: TrainState) -> dict[str, int]:
@@ -95,3 +97,28 @@ def memory_plan(model: torch.nn.Module, cfg: Config, world_size: int) -> dict[st
                     ) * size(cfg.moment_dtype)
     plan = {"params": compute + master, "grads": grads, "optimizer": optimizer}
     return _totals(plan, master + optimizer if offload else 0)
+
+
+def peak_allocated(fn: Callable[[], object]) -> int:
+    """The most bytes ``fn()`` held allocated at once beyond what was live before it, from the
+    torch profiler's allocation and free records in time order (tensors on the CPU; a measure
+    for tests and benchmarks, not for a training loop: the profiler slows ``fn`` down).
+
+    Examples:
+        >>> import torch
+        >>> def twice():
+        ...     for _ in range(2):
+        ...         torch.empty(1000).sum()  # 4000 bytes each time, freed before the next
+        >>> peak_allocated(twice) >= 4000, peak_allocated(twice) < 8000
+        (True, True)
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    live = peak = 0
+    for _, delta in sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events()
+                           if e.self_cpu_memory_usage):
+        live += delta
+        peak = max(peak, live)
+    return peak
