@@ -46,22 +46,21 @@ if TYPE_CHECKING:
 
 __all__ = ["ModuleBinding", "BoundModel", "was_donated"]
 
-# Modules whose parameter storage `init(..., donate=True)` took (empty for good).
-_DONATED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 # The forward-hook dicts of a module that zfunc's hooks live in (for a copy of the module).
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs",
                "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_state_dict_pre_hooks")
 
 
 def was_donated(module: torch.nn.Module) -> bool:
-    """Whether ``module``'s parameters were donated to a state (``init(..., donate=True)``).
+    """Whether ``module``'s parameters were donated to a state (``init(..., donate=True)``): it
+    carries the refusing pre-hook a donation puts on it (the module says so itself; no registry).
 
     Examples:
         >>> import torch
         >>> was_donated(torch.nn.Linear(1, 1))
         False
     """
-    return module in _DONATED
+    return any(getattr(h, "refuses_donated", False) for h in module._forward_pre_hooks.values())
 
 
 def _refuse_donated(module: torch.nn.Module) -> None:
@@ -440,9 +439,9 @@ class ModuleBinding(Routing):
         # and on every module holding trained parameters (a unit module called on its own).
         holders = {id(owner): owner for _, owner, _ in self._slots(list(self.layout.names))}
         guarded = {id(self.module): self.module, **holders}.values()
+        refuse.refuses_donated = True  # what `was_donated` looks for
         self._refusing = [m.register_forward_pre_hook(refuse) for m in guarded]
         self.donated = True
-        _DONATED.add(self.module)
 
     def give_back(self, values: dict[str, torch.Tensor]) -> None:
         """The reverse of `donate`: the module's trained parameters hold ``values`` (full
@@ -455,7 +454,6 @@ class ModuleBinding(Routing):
         for name in self.layout.names:
             named[name].data = values[name].detach().to(named[name].dtype).clone()
         self.donated = False
-        _DONATED.discard(self.module)
 
     def skeleton(self) -> torch.nn.Module:
         """A copy of the module as code: its submodules, attributes and the user's own hooks,
