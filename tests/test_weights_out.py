@@ -149,6 +149,29 @@ def _early_stop(rank: int, how: str) -> str:
     return "ok"
 
 
+def _failed_load(rank: int) -> list[str]:
+    """Rank 0's strict `load_weights` fails mid-stream (its receiver lacks the last layer); then
+    both ranks run another collective: the failed load closed its stream at once, so rank 1 has
+    raised by then and the collectives line up."""
+    torch.manual_seed(0)
+    state = zfunc.init(_Layers(n=3, d=8), zfunc.Config(stage=3, units=[torch.nn.Linear], persist_threshold=0))
+    said = []
+    try:
+        if rank == 0:
+            zfunc.load_weights(_Layers(n=2, d=8), zfunc.iter_full_params(state, dst=0))
+        else:
+            list(zfunc.iter_full_params(state, dst=0))
+    except (KeyError, RuntimeError) as e:
+        said.append(type(e).__name__)
+    said.append(str(len(zfunc.full_params(state))))
+    list(zfunc.iter_full_params(state, dtype=torch.float32 if rank else None))  # None and the compute dtype agree
+    return said
+
+
+def test_a_consumer_that_fails_closes_the_stream_at_once():
+    assert run_ranks(_failed_load, 2, timeout=60) == [["KeyError", "6"], ["RuntimeError", "6"]]
+
+
 @pytest.mark.parametrize("how", ["break", "never", "other", "dst"])
 def test_ranks_that_do_not_iterate_together_all_get_a_clear_error(how):
     said = run_ranks(_early_stop, 2, how, timeout=60)
@@ -171,6 +194,8 @@ def test_bad_arguments_are_refused_before_anything_runs():
         zfunc.iter_full_params(state, dtype=torch.int64)
     with pytest.raises(ValueError, match="dst"):
         zfunc.iter_full_params(state, dst=1)
+    with pytest.raises(ValueError, match="dst"):
+        zfunc.iter_full_params(state, dst=True)
     with pytest.raises(ValueError, match="max_shard_size"):
         zfunc.save_pretrained([], "/tmp/nowhere", max_shard_size="lots")
     with pytest.raises(KeyError, match="nope"):
@@ -258,3 +283,25 @@ def test_streamed_weights_generate_as_the_model_trained_without_zfunc(tmp_path):
     for name, t in back.state_dict().items():
         assert torch.equal(t, mine["weights"][name]), name
     assert _generate(back.eval()) == mine["tokens"]
+
+
+def test_shard_sizes_read_as_transformers_reads_them():
+    from zfunc.io.pretrained import _bytes
+
+    assert [_bytes(x) for x in (64, "5GB", "5GiB", "200MB", "5Gb", "1.5KB")] == [
+        64, 5 * 10**9, 5 * 2**30, 200 * 10**6, 5 * 10**9 // 8, 1500]
+
+
+def test_a_save_replaces_an_earlier_one_in_the_same_directory(tmp_path):
+    from safetensors.torch import load_file
+
+    old, new = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    zfunc.save_pretrained(old.named_parameters(), tmp_path)  # one file: model.safetensors
+    (tmp_path / "config.json").write_text("{}")
+    files = zfunc.save_pretrained(new.named_parameters(), tmp_path, max_shard_size=64)
+    assert sorted(os.listdir(tmp_path)) == sorted(["config.json", *(os.path.basename(f) for f in files)])
+    assert "model.safetensors" not in os.listdir(tmp_path)
+    back = {k: v for f in files if f.endswith(".safetensors") for k, v in load_file(f).items()}
+    assert torch.equal(back["weight"], new.weight.detach()) and torch.equal(back["bias"], new.bias.detach())
+    zfunc.save_pretrained(old.named_parameters(), tmp_path)  # and back to one file
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]

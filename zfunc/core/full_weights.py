@@ -38,13 +38,19 @@ def iter_full_params(state: TrainState, dtype: torch.dtype | None = None,
     first name). Buffers are not parameters: `zfunc.TrainState.buffers` holds them whole on every
     rank. Each tensor yielded is new, with storage of its own: a loop that lets go of them holds
     about one unit at a time (plus this rank's shard in ``dtype``), where `zfunc.full_params`
-    holds the whole model.
+    holds the whole model. A loop that may stop early on some rank should close the iterator
+    (``contextlib.closing``, or ``close()`` in its error handler) before its next collective:
+    closing tells the other ranks, which then raise; a dropped iterator does so when Python frees
+    it.
 
     Args:
         state: the training state (not donated).
         dtype: the dtype to yield. ``None``: the compute dtype (the weights forward uses). Another
             dtype is cast from the master weights (``torch.float32`` gives `zfunc.full_params`'
-            values even when the compute copy is bf16).
+            values even when the compute copy is bf16); frozen parameters, which have no masters,
+            are cast from the compute dtype. At stages 1-2 the layout is one unit, so that cast
+            gathers the whole model's masters at once, as `zfunc.full_params` does; the compute
+            dtype needs no gather there (every rank holds the compute copy whole).
         dst: ``None``: every rank receives the weights. A rank of the state's world: only that
             rank does (at stages 1-3 its shard group gathers to it alone); the others yield
             nothing but must still iterate to the end.
@@ -69,7 +75,7 @@ def iter_full_params(state: TrainState, dtype: torch.dtype | None = None,
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"iter_full_params: dtype must be a floating torch.dtype or None, got {dtype!r}")
     world = state.mesh.world
-    if dst is not None and not (isinstance(dst, int) and 0 <= dst < world.size):
+    if dst is not None and not (isinstance(dst, int) and not isinstance(dst, bool) and 0 <= dst < world.size):
         raise ValueError(f"iter_full_params: dst must be None (every rank) or a rank of the state's world "
                          f"(0..{world.size - 1}), got {dst!r}")
     stream = _stream(state, dtype, dst)
@@ -116,7 +122,7 @@ def _stream(state: TrainState, dtype: torch.dtype | None, dst: int | None
 def _fingerprint(state: TrainState, dtype: torch.dtype | None, dst: int | None) -> int:
     """What is iterated, as one number every rank computes alike (not Python's salted ``hash``)."""
     lay = state.layout
-    what = (state.stage, state.mesh.shard.size, str(dtype), dst,
+    what = (state.stage, state.mesh.shard.size, str(dtype or state.compute.dtype), dst,
             tuple((u.padded, tuple((s.name, s.shape) for s in u.slots)) for u in lay.units),
             tuple((k, tuple(v.shape)) for k, v in state.frozen.items()))
     return zlib.crc32(repr(what).encode())

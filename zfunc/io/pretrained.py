@@ -7,6 +7,7 @@ time), a ``state_dict().items()``, a generator of one's own. Neither holds the w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -16,8 +17,26 @@ import torch
 
 __all__ = ["load_weights", "save_pretrained"]
 
+_EARLIER = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def _close_on_failure(weights: Iterable) -> contextlib.AbstractContextManager:
+    """Close ``weights`` (a generator such as `zfunc.iter_full_params`) if the body raises, so a
+    collective stream tells the other ranks at once, not whenever the generator is collected; the
+    body's error is the one raised."""
+    @contextlib.contextmanager
+    def guard():
+        try:
+            yield
+        except BaseException:
+            close = getattr(weights, "close", None)
+            if close is not None:
+                with contextlib.suppress(Exception):  # the other ranks went on: they raise too
+                    close()
+            raise
+    return guard()
 
 
 def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], *,
@@ -55,7 +74,7 @@ def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tens
     targets = {**dict(model.named_parameters(remove_duplicate=False)),
                **dict(model.named_buffers(remove_duplicate=False))}
     done, reached = [], set()
-    with torch.no_grad():
+    with torch.no_grad(), _close_on_failure(weights):
         for name, value in weights:
             target = targets.get(name)
             if target is None:
@@ -85,7 +104,8 @@ def _bytes(size: int | str) -> int:
     if m is None or float(m.group(1)) <= 0:
         raise ValueError(f"max_shard_size: expected a positive number of bytes or a size such as '5GB' "
                          f"or '500MiB', got {size!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
+    n = int(float(m.group(1)) * _UNITS[m.group(2)])
+    return n // 8 if size.rstrip().endswith("b") and not size.rstrip().lower().endswith("ib") else n  # "Gb": bits
 
 
 def save_pretrained(weights: Iterable[tuple[str, torch.Tensor]], directory: str | os.PathLike, *,
@@ -97,14 +117,17 @@ def save_pretrained(weights: Iterable[tuple[str, torch.Tensor]], directory: str 
 
     Pairs are copied to host memory as they come; a shard is written once full, so at most one
     shard (and whatever the iterator holds, for `zfunc.iter_full_params` one unit) is in memory.
-    A tensor larger than ``max_shard_size`` gets a shard of its own. When ``weights`` yields
-    nothing (`zfunc.iter_full_params` with ``dst=`` another rank) nothing is written: every rank
-    may call it with the same arguments.
+    A tensor larger than ``max_shard_size`` gets a shard of its own. An earlier save's weight
+    files in ``directory`` (``model*.safetensors`` and the index) are removed, as
+    ``save_pretrained`` does, once the new shards are written. When ``weights`` yields nothing
+    (`zfunc.iter_full_params` with ``dst=`` another rank) nothing is written or removed: every
+    rank may call it with the same arguments, and with ``dst=`` one rank writes.
 
     Args:
         weights: the pairs, e.g. ``zfunc.iter_full_params(state, dst=0)``.
         directory: where to write (made if missing).
-        max_shard_size: bytes per shard, an int or a string with a unit ("5GB", "200MB", "1GiB").
+        max_shard_size: bytes per shard, an int or a string with a unit as transformers reads it
+            ("5GB", "200MB", "1GiB"; a lowercase "b", as in "5Gb", counts bits).
 
     Returns:
         The files written (empty when nothing came).
@@ -135,23 +158,30 @@ def save_pretrained(weights: Iterable[tuple[str, torch.Tensor]], directory: str 
         if shard:
             if not shards:
                 os.makedirs(directory, exist_ok=True)
-            path = os.path.join(directory, f".zfunc-shard-{len(shards) + 1:05d}.safetensors")
+            path = os.path.join(directory, f".zfunc-{os.getpid()}-shard-{len(shards) + 1:05d}.safetensors")
             save_file(shard, path, metadata={"format": "pt"})
             shards.append(path)
             shard, held = {}, 0
 
-    for name, value in weights:
-        if name in weight_map or name in shard:
-            raise ValueError(f"save_pretrained: the weights name {name!r} twice")
-        nbytes = value.numel() * value.element_size()
-        if shard and held + nbytes > limit:
+    try:
+        with _close_on_failure(weights):
+            for name, value in weights:
+                if name in weight_map or name in shard:
+                    raise ValueError(f"save_pretrained: the weights name {name!r} twice")
+                nbytes = value.numel() * value.element_size()
+                if shard and held + nbytes > limit:
+                    flush()
+                # its own storage: safetensors refuses tensors that share one
+                shard[name] = value.detach().to("cpu", copy=True).contiguous()
+                weight_map[name] = len(shards)
+                held += nbytes
+                total += nbytes
             flush()
-        # its own storage: safetensors refuses tensors that share one
-        shard[name] = value.detach().to("cpu", copy=True).contiguous()
-        weight_map[name] = len(shards)
-        held += nbytes
-        total += nbytes
-    flush()
+    except BaseException:
+        for tmp in shards:  # nothing half written is left behind
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+        raise
     if not shards:
         return []
     if len(shards) == 1:
@@ -159,6 +189,9 @@ def save_pretrained(weights: Iterable[tuple[str, torch.Tensor]], directory: str 
     else:
         final = [os.path.join(directory, f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors")
                  for k in range(len(shards))]
+    for name in os.listdir(directory):  # an earlier save's weights: from_pretrained would read them
+        if _EARLIER.fullmatch(name) and os.path.join(directory, name) not in final:
+            os.remove(os.path.join(directory, name))
     for tmp, path in zip(shards, final):
         os.replace(tmp, path)
     if len(shards) > 1:
