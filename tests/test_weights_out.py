@@ -305,3 +305,28 @@ def test_a_save_replaces_an_earlier_one_in_the_same_directory(tmp_path):
     assert torch.equal(back["weight"], new.weight.detach()) and torch.equal(back["bias"], new.bias.detach())
     zfunc.save_pretrained(old.named_parameters(), tmp_path)  # and back to one file
     assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+
+
+def _exported(rank: int, where: str, stage: int, precision: str) -> dict | None:
+    from safetensors.torch import load_file
+
+    cfg = zfunc.Config(stage=stage, precision=precision, units=(UNITS3 if stage == 3 else UNITS)["zoo"],
+                       persist_threshold=0, optimizer=zfunc.adamw(lr=1e-2))
+    state, _ = zfunc_run(rank, "zoo", 2, cfg)
+    full = zfunc.full_params(state)
+    file = zfunc.export(state, f"{where}/{stage}-{precision}.safetensors")
+    torch.distributed.barrier()
+    if rank:
+        return None
+    got = load_file(file)
+    want = {**full, **state.frozen, **state.buffers}
+    return {"same_names": sorted(got) == sorted(want),
+            "equal": bitwise_equal([got[n] for n in sorted(want)], [want[n] for n in sorted(want)])}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_export_streams_to_rank_0_and_writes_what_full_params_gives(world, tmp_path):
+    for stage in (1, 3):
+        for precision in ("fp32", "bf16"):
+            got = run_ranks(_exported, world, str(tmp_path), stage, precision)[0]
+            assert got == {"same_names": True, "equal": True}, (stage, precision)

@@ -443,6 +443,8 @@ def gather_split(x: torch.Tensor, sizes: Sequence[int], group: Group | None = No
         raise ValueError(f"gather_split: sizes add up to {sum(sizes)}, more than the {n * group.size} "
                          "elements of the concatenation")
     receive = dst is None or dst == me
+    # messages to dst on the shard group's gloo twin where there is one (host tensors only)
+    p2p = group.p2p if group.p2p is not None and x.device.type == "cpu" else group.pg
     out = [torch.empty(k, dtype=x.dtype, device=x.device) for k in sizes] if receive else None
     works, start = [], 0
     for i, k in enumerate(sizes):
@@ -458,10 +460,10 @@ def gather_split(x: torch.Tensor, sizes: Sequence[int], group: Group | None = No
                 continue
             if dst is None:
                 works.append(dist.broadcast(into, _global(group, r), group=group.pg, async_op=True))
-            elif r == me and me != dst:  # messages on the point-to-point twin where there is one
-                works.append(dist.isend(mine.contiguous(), _global(group, dst), group=group.p2p or group.pg))
+            elif r == me and me != dst:
+                works.append(dist.isend(mine.contiguous(), _global(group, dst), group=p2p))
             elif me == dst and r != dst:
-                works.append(dist.irecv(into, _global(group, r), group=group.p2p or group.pg))
+                works.append(dist.irecv(into, _global(group, r), group=p2p))
         start += k
     for w in works:
         w.wait()

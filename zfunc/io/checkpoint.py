@@ -32,8 +32,9 @@ from zfunc.distributed import comm
 
 from zfunc.io import commit
 from zfunc._tree import tree
-from zfunc.core.create import full_params, place_master
+from zfunc.core.create import place_master
 from zfunc.core.donation import check_live
+from zfunc.core.full_weights import iter_full_params
 from zfunc.io.deepspeed_checkpoint import is_deepspeed_checkpoint, load_deepspeed
 from zfunc.errors import CheckpointError
 from zfunc.distributed.layout import Layout, Unit
@@ -514,8 +515,10 @@ def export(source: TrainState | str | os.PathLike, file: str | os.PathLike) -> s
     """Full weights as safetensors, for inference: trainable parameters, frozen ones and buffers.
 
     A tied weight is stored once under its first name; ``model.load_state_dict(weights,
-    strict=False)`` restores it (its aliases share the tensor). From a state this gathers (call on
-    every rank; rank 0 writes); from a checkpoint directory it runs in one process.
+    strict=False)`` restores it (its aliases share the tensor). From a state this gathers to rank 0
+    a unit at a time (`zfunc.iter_full_params`; call on every rank; rank 0 writes, and only it
+    holds the whole model); from a checkpoint directory it runs in one process. For Hugging Face's
+    sharded layout, `zfunc.save_pretrained`.
 
     Examples:
         >>> import tempfile, torch, zfunc
@@ -528,7 +531,11 @@ def export(source: TrainState | str | os.PathLike, file: str | os.PathLike) -> s
     from safetensors.torch import save_file
 
     if isinstance(source, TrainState):
-        weights = {**full_params(source), **_replicated(source)}
+        check_live(source, "export")
+        # a unit at a time to rank 0 alone: no other rank holds the whole model
+        trained = iter_full_params(source, dtype=source.params.dtype, dst=0)
+        weights = {n: t for n, t in trained if n not in source.frozen}
+        weights.update(_replicated(source))
         rank = source.group.rank
     else:
         weights, rank = _weights_from(os.fspath(source)), 0
