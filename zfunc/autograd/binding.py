@@ -34,7 +34,7 @@ from zfunc.autograd.bound import BoundModel
 from zfunc.autograd.buckets import Bucket, Fold, plan_buckets
 from zfunc.distributed.pool import Pool
 from zfunc.autograd.routing import Routing
-from zfunc.autograd.swap import put_back, swap_in
+from zfunc.autograd.swap import put_back, set_data, swap_in
 from zfunc.autograd.gather import UnitGatherer
 from zfunc._probes import graph_task
 from zfunc._probes import in_backward as _in_backward
@@ -421,9 +421,9 @@ class ModuleBinding(Routing):
         if self.donated:
             return
         named = dict(self.module.named_parameters())
-        for name in self.layout.names:  # the trained ones; frozen parameters stay the module's
-            p = named[name]
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        # the trained ones; frozen parameters stay the module's
+        set_data([(named[n], torch.empty(0, dtype=named[n].dtype, device=named[n].device))
+                  for n in self.layout.names])
         me = weakref.ref(self)
 
         def refuse(mod: torch.nn.Module, args: Any) -> None:
@@ -451,8 +451,8 @@ class ModuleBinding(Routing):
             return
         _remove(self._refusing)
         named = dict(self.module.named_parameters())
-        for name in self.layout.names:
-            named[name].data = values[name].detach().to(named[name].dtype).clone()
+        set_data([(named[n], values[n].detach().to(named[n].dtype).clone())
+                  for n in self.layout.names])
         self.donated = False
 
     def skeleton(self) -> torch.nn.Module:

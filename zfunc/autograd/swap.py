@@ -1,9 +1,15 @@
-"""The one way zfunc puts tensors in a module's parameter (or buffer) entries, and takes them out.
+"""The one place zfunc changes a module's tensors: its parameter (or buffer) entries, and the
+storage of a tensor the module holds.
 
 No public torch API puts a plain tensor in a parameter's place inside part of a forward
 (`torch.func.functional_call` does it for a whole call, through the same dictionaries), so the
 unit hooks, the recompute hooks and the engine's routing write ``Module._parameters`` /
-``Module._buffers`` entries here, and restore exactly what they took, in reverse order.
+``Module._buffers`` entries here (`swap_in`), and restore exactly what they took, in reverse
+order (`put_back`); meta init swaps scratch tensors in the same way while a module's
+``reset_parameters`` draws, and puts the real ones in for good. A tensor that must keep its
+identity (an optimizer's groups, the user's references and ties hold it) gets other storage
+through `set_data` (donation, the engine's views of its state, ``GatheredParameters``,
+``destroy()``) or, for a meta tensor that cannot take another device's data, `swap_tensor`.
 """
 
 from __future__ import annotations
@@ -11,7 +17,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["Swapped", "swap_in", "put_back"]
+import torch
+
+__all__ = ["Swapped", "swap_in", "put_back", "set_data", "swap_tensor"]
 
 Swapped = list[tuple[dict[str, Any], str, Any]]  # (entries, key, what was there)
 
@@ -38,3 +46,33 @@ def put_back(swapped: Swapped) -> None:
     """Restore what `swap_in` took, last first (a name swapped twice ends as it began)."""
     for entries, key, original in reversed(swapped):
         entries[key] = original
+
+
+def set_data(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Each ``t`` of ``(t, value)`` over ``value``'s storage (its ``data`` set): ``t`` stays the
+    same object, so whoever holds it keeps holding it.
+
+    Examples:
+        >>> import torch
+        >>> lin = torch.nn.Linear(2, 1)
+        >>> w = lin.weight
+        >>> set_data([(lin.weight, torch.zeros(1, 2))])
+        >>> lin.weight is w, w.tolist()
+        (True, [[0.0, 0.0]])
+    """
+    for t, value in pairs:
+        t.data = value
+
+
+def swap_tensor(t: torch.Tensor, other: torch.Tensor) -> None:
+    """Exchange everything of ``t`` and ``other`` but their identities (`torch.utils.swap_tensors`):
+    a ``meta`` parameter becomes a real one that every holder of it sees.
+
+    Examples:
+        >>> import torch
+        >>> p = torch.nn.Parameter(torch.empty(2, device="meta"))
+        >>> swap_tensor(p, torch.nn.Parameter(torch.zeros(0)))
+        >>> p.device.type, tuple(p.shape)
+        ('cpu', (0,))
+    """
+    torch.utils.swap_tensors(t, other)

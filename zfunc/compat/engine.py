@@ -34,6 +34,7 @@ import torch
 from zfunc.distributed import comm
 from zfunc.core.backward import bind, boundary_fold, loss_scaled, point_sinks, record_micro, sinks_into
 from zfunc.autograd import average, calls
+from zfunc.autograd.swap import set_data, swap_in, swap_tensor
 from zfunc.autograd.average import Average, ranks_averaged
 from zfunc.autograd.buckets import Fold
 from zfunc._probes import graph_task
@@ -187,7 +188,7 @@ class Engine(ConfigAccessors, WeightsOut, torch.nn.Module):
                 # Stage 3, a meta-built model: an empty tensor on the state's device, as DeepSpeed's
                 # partitioned parameters are (the same object: optimizer groups keep holding it).
                 empty = torch.empty(0, dtype=st.cfg.compute_dtype, device=st.device)
-                torch.utils.swap_tensors(t, torch.nn.Parameter(empty, requires_grad=t.requires_grad))
+                swap_tensor(t, torch.nn.Parameter(empty, requires_grad=t.requires_grad))
                 continue
             if name not in current:
                 continue
@@ -196,13 +197,11 @@ class Engine(ConfigAccessors, WeightsOut, torch.nn.Module):
                 replaced[id(t)] = torch.nn.Parameter(value, requires_grad=t.requires_grad) \
                     if isinstance(t, torch.nn.Parameter) else value
             else:
-                t.data = current[name]
+                set_data([(t, current[name])])
         if replaced:
-            for mod in self.module.modules():
-                for entries in (mod._parameters, mod._buffers):
-                    for key, t in entries.items():
-                        if t is not None and id(t) in replaced:
-                            entries[key] = replaced[id(t)]
+            swap_in([(entries, key, replaced[id(t)]) for mod in self.module.modules()  # for good
+                     for entries in (mod._parameters, mod._buffers)
+                     for key, t in entries.items() if t is not None and id(t) in replaced])
 
     # -- forward and backward ----------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:

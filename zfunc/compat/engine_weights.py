@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from zfunc.autograd.swap import set_data
 from zfunc.core.deepspeed_config import gather_16bit_on_save
 from zfunc.core.config import Config
 from zfunc.core.create import full_params
@@ -107,9 +108,9 @@ class WeightsOut:
         if self._router.donated:
             self._router.give_back(sd)
         else:
-            for name, p in named.items():  # stages 0-2: the module viewed this engine's buffers
-                if name not in self._state.frozen:
-                    p.data = sd[name].to(p.dtype).clone()
+            # stages 0-2: the module viewed this engine's buffers
+            set_data([(p, sd[name].to(p.dtype).clone()) for name, p in named.items()
+                      if name not in self._state.frozen])
 
 
 def _persistent_buffers(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from zfunc.autograd.swap import set_data
 from zfunc.errors import ConfigError
 
 __all__ = ["Init", "GatheredParameters", "WholeInit", "register_external_parameter"]
@@ -144,7 +145,7 @@ class GatheredParameters(contextlib.AbstractContextManager):
                 if full is None:  # frozen: replicated already (a copy: a write lands on exit, on every rank)
                     full = st.frozen[name].clone()
                 data = p.data
-                p.data = full.to(p.dtype)
+                set_data([(p, full.to(p.dtype))])
                 self._restore.append((p, data, p._version))
         return self
 
@@ -179,8 +180,7 @@ class GatheredParameters(contextlib.AbstractContextManager):
                         "whose values to keep> (as DeepSpeed requires), or write with "
                         "zfunc.utils.safe_set_full_fp32_param")
         finally:
-            for p, data, _ in self._restore:
-                p.data = data
+            set_data([(p, data) for p, data, _ in self._restore])
             self._restore = []
 
 

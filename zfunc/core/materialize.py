@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from zfunc.autograd.swap import put_back, swap_in
 from zfunc.errors import ConfigError
 
 __all__ = ["on_meta", "materialize"]
@@ -75,8 +76,7 @@ class _Tensors:
         return entries[key]
 
     def put(self, name: str, t: torch.Tensor) -> None:
-        for entries, key in self.places[name]:
-            entries[key] = t
+        swap_in([(entries, key, t) for entries, key in self.places[name]])  # for good
 
     def make(self, name: str, allocate: Allocate | None = None) -> torch.Tensor:
         """``name`` as a new host tensor (from ``allocate`` if given; NaN when floating, so a
@@ -197,15 +197,12 @@ def _reset(mod: torch.nn.Module, tensors: _Tensors, first_owner: dict[str, int])
     scratch copy: the draws happen, the shared value stays the first module's."""
     shared = [(entries, key, entries[key]) for entries, key, name in _own_places(mod, tensors)
               if first_owner[name] != id(mod)]
-    for entries, key, t in shared:
-        entries[key] = torch.nn.Parameter(torch.empty_like(t), requires_grad=t.requires_grad) \
-            if isinstance(t, torch.nn.Parameter) else torch.empty_like(t)
+    taken = swap_in([(entries, key, _like(t, torch.empty_like(t))) for entries, key, t in shared])
     try:
         with torch.no_grad():
             mod.reset_parameters()
     finally:
-        for entries, key, t in shared:
-            entries[key] = t
+        put_back(taken)
 
 
 def _own_places(mod: torch.nn.Module, tensors: _Tensors) -> list[tuple[dict[str, Any], str, str]]:
@@ -230,21 +227,26 @@ def _construction_states(tensors: _Tensors, first_owner: dict[str, int]) -> dict
         if not names or not hasattr(mod, "reset_parameters"):
             continue
         states[id(mod)] = torch.get_rng_state()
-        saved = [(entries, key, entries[key]) for entries, key, _ in _own_places(mod, tensors)]
-        at = 0
+        places, at = [], 0
+        for entries, key, _ in _own_places(mod, tensors):
+            t = entries[key]
+            n = _nbytes(t)
+            places.append((entries, key, _like(t, pool.narrow(0, at, n).view(t.dtype).view(t.shape))))
+            at += -(-n // 64) * 64  # each view 64-byte aligned
+        taken = swap_in(places)
         try:
-            for entries, key, t in saved:
-                n = _nbytes(t)
-                scratch = pool.narrow(0, at, n).view(t.dtype).view(t.shape)
-                at += -(-n // 64) * 64  # each view 64-byte aligned
-                entries[key] = torch.nn.Parameter(scratch, requires_grad=t.requires_grad) \
-                    if isinstance(t, torch.nn.Parameter) else scratch
             with torch.no_grad():
                 mod.reset_parameters()
         finally:
-            for entries, key, t in saved:
-                entries[key] = t
+            put_back(taken)
     return states
+
+
+def _like(t: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` as what ``t`` is: a parameter (with ``t``'s ``requires_grad``) or a plain tensor."""
+    if isinstance(t, torch.nn.Parameter):
+        return torch.nn.Parameter(value, requires_grad=t.requires_grad)
+    return value
 
 
 def _nbytes(t: torch.Tensor) -> int:
