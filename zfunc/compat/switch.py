@@ -25,7 +25,6 @@ __all__ = ["as_deepspeed", "PATH"]
 
 PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "deepspeed_path")
 _CLIENTS = ("deepspeed", "transformers", "accelerate", "lightning", "pytorch_lightning")
-_on = False  # the switch is on in this process
 
 
 def as_deepspeed() -> None:
@@ -43,8 +42,7 @@ def as_deepspeed() -> None:
         >>> subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout
         'True\\n'
     """
-    global _on
-    if _on:
+    if PATH in sys.path:  # on already: the path is the switch
         return
     early = [m for m in _CLIENTS if m in sys.modules]
     if early:
@@ -54,7 +52,6 @@ def as_deepspeed() -> None:
             "unchanged with `python -m zfunc.compat.as_deepspeed script.py` (torchrun: `-m zfunc.compat.as_deepspeed`)")
     sys.path.insert(0, PATH)
     importlib.invalidate_caches()
-    _on = True
     _accelerate_cpu_backend()
 
 
