@@ -1,7 +1,8 @@
 """The module bound to one state: what ``loss_fn`` receives as ``model``.
 
 A `BoundModel` is the user's module as a function of its inputs, running on one state's tensors
-through `torch.func.functional_call`. Its outputs are exactly what the module returns: gradients
+put in the module's entries for the call, as `torch.func.functional_call` puts them (through
+the binding's list of entries and `zfunc.autograd.swap`). Its outputs are exactly what the module returns: gradients
 through it are torch's, and only the parameters' gradients are averaged, where they enter the
 state (`zfunc.autograd.average`). Its buffers' new values (BatchNorm statistics) are kept for
 the state that follows.
@@ -22,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.func import functional_call
+
+from zfunc.autograd.swap import put_back, swap_in
 
 from zfunc._tree import tree
 from zfunc.autograd import calls
@@ -202,7 +205,7 @@ class BoundModel(torch.nn.Module):
                 for name, others in binding.aliases.items():
                     if name in tensors:
                         tensors.update({other: tensors[name] for other in others if other not in given})
-                out = functional_call(binding.module, tensors, args, kwargs, tie_weights=False, strict=False)
+                out = _run_on(binding, tensors, args, kwargs)
                 for name in given.keys() & self.new_buffers.keys():  # a caller's buffer is not the state's
                     tensors[name] = self.new_buffers[name]
         except BaseException:
@@ -317,3 +320,23 @@ def _has_units(state: TrainState) -> bool:
 
 def _cast_floats(x: Any, dtype: torch.dtype) -> Any:
     return tree.map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, x)
+
+
+def _run_on(binding: Any, tensors: dict[str, torch.Tensor], args: tuple, kwargs: dict) -> Any:
+    """``binding.module(*args, **kwargs)`` with ``tensors`` (by name) in the module's entries, as
+    ``torch.func.functional_call(module, tensors, ..., tie_weights=False, strict=False)`` runs it,
+    through the binding's list of entries (``functional_call`` resolves every name's module and
+    checks it, each call: ~4 us a tensor). A tensor forward put in an entry in place of the one
+    given (a buffer reassigned) is what ``tensors`` holds afterwards, as ``functional_call`` leaves it."""
+    places = [(entries, attr, name) for entries, attr, name in binding.entries if name in tensors]
+    if len({name for _, _, name in places}) != len(tensors):  # a name the module's entries lack
+        return functional_call(binding.module, tensors, args, kwargs, tie_weights=False, strict=False)
+    taken = swap_in([(entries, attr, tensors[name]) for entries, attr, name in places])
+    try:
+        return binding.module(*args, **kwargs)
+    finally:
+        for entries, attr, name in places:
+            now = entries.get(attr)
+            if now is not tensors[name]:
+                tensors[name] = now
+        put_back(taken)
