@@ -19,7 +19,6 @@ from zfunc.autograd.forward_gather import settle
 from zfunc.core.donation import check_live
 from zfunc.core.state import TrainState
 from zfunc.distributed import comm
-from zfunc.distributed.layout import Unit
 from zfunc.distributed.mesh import global_ranks
 
 __all__ = ["iter_full_params"]
@@ -89,6 +88,9 @@ def _stream(state: TrainState, dtype: torch.dtype | None, dst: int | None
     out_dtype = dtype or state.compute.dtype
     receive = dst is None or dst == world.rank
     order = {n: i for i, (n, _) in enumerate(state.module.named_parameters())}
+    masters = dtype is not None and dtype != state.compute.dtype  # cast from the masters
+    src = state.params if masters else state.compute
+    gathers, to = _gather_target(state, dst)
     sign = _fingerprint(state, dtype, dst)
     n = len(lay.units)
     at = 0  # the agreement this rank takes part in next
@@ -97,17 +99,22 @@ def _stream(state: TrainState, dtype: torch.dtype | None, dst: int | None
         for i, unit in enumerate(lay.units):
             _agree(state, sign, at, _GO)
             at += 1
-            whole = _whole_here(state, dtype)
+            whole = _whole_here(state, src, masters)
             if whole is not None:  # every rank holds the unit already: a copy per parameter
                 if receive:
                     views = lay.views(unit, whole.narrow(0, lay.full_starts[i], unit.padded))
                     for name in sorted(views, key=order.__getitem__):
                         yield name, views.pop(name).to(state.device, out_dtype, copy=True)
                 continue
-            parts = _gather_unit(state, unit, dtype, dst)
+            if not gathers:  # another shard group gathers to dst
+                continue
+            shard = lay.arena_slice(src, unit).to(state.device, out_dtype)
+            parts = comm.gather_split(shard, [s.numel for s in unit.slots], state.mesh.shard, dst=to)
             if parts is not None:
-                for name in sorted(parts, key=order.__getitem__):
-                    yield name, parts.pop(name)
+                views = {s.name: p.view(s.shape) for s, p in zip(unit.slots, parts)}
+                del parts
+                for name in sorted(views, key=order.__getitem__):
+                    yield name, views.pop(name)
         _agree(state, sign, n, _DONE)
         at = -1
     except GeneratorExit:
@@ -156,36 +163,24 @@ def _agree(state: TrainState, sign: int, at: int, status: int) -> None:
         "rank stops at the same place")
 
 
-def _whole_here(state: TrainState, dtype: torch.dtype | None) -> torch.Tensor | None:
-    """The flat buffer that holds every unit whole on this rank for what is asked, or ``None``:
-    stage 0's masters and compute copy, and at stages 1-2 the compute copy (gathered here, in its
-    own buffer, where the step left the other ranks' slices to the next forward)."""
-    masters = dtype is not None and dtype != state.compute.dtype
+def _whole_here(state: TrainState, src: torch.Tensor, masters: bool) -> torch.Tensor | None:
+    """``src`` when it holds every unit whole on this rank, else ``None``: stage 0's masters and
+    compute copy, and at stages 1-2 the compute copy (gathered here, in its own buffer, where the
+    step left the other ranks' slices to the next forward)."""
     if state.stage == 0:
-        return state.params if masters else state.compute
+        return src
     if state.stage == 3 or masters:
         return None
     if not bool(state.gathered):
         settle(state)  # what the next forward would do to this buffer, unit by unit
-    return state.compute
+    return src
 
 
-def _gather_unit(state: TrainState, unit: Unit, dtype: torch.dtype | None,
-                 dst: int | None) -> dict[str, torch.Tensor] | None:
-    """``unit``'s parameters gathered in the dtype asked for (stage 3; at stages 1-2 the
-    masters), each a tensor of its own: on every rank, or on ``dst`` alone (``None`` elsewhere)."""
-    lay, mesh = state.layout, state.mesh
-    masters = dtype is not None and dtype != state.compute.dtype
-    src = state.params if masters else state.compute
-    shard = lay.arena_slice(src, unit).to(state.device, dtype or state.compute.dtype)
-    at = None
-    if dst is not None:
-        target = global_ranks(mesh.world)[dst]
-        members = global_ranks(mesh.shard)
-        if target not in members:  # another shard group gathers to dst
-            return None
-        at = members.index(target)
-    parts = comm.gather_split(shard, [s.numel for s in unit.slots], mesh.shard, dst=at)
-    if parts is None:
-        return None
-    return {s.name: p.view(s.shape) for s, p in zip(unit.slots, parts)}
+def _gather_target(state: TrainState, dst: int | None) -> tuple[bool, int | None]:
+    """Whether this rank's shard group gathers the units, and to which of its ranks (``None``:
+    to every rank): with ``dst``, only dst's shard group gathers, to dst."""
+    if dst is None:
+        return True, None
+    target = global_ranks(state.mesh.world)[dst]
+    members = global_ranks(state.mesh.shard)
+    return (True, members.index(target)) if target in members else (False, None)

@@ -11,7 +11,7 @@ import contextlib
 import json
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -22,21 +22,19 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
-def _close_on_failure(weights: Iterable) -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def _close_on_failure(weights: Iterable) -> Iterator[None]:
     """Close ``weights`` (a generator such as `zfunc.iter_full_params`) if the body raises, so a
     collective stream tells the other ranks at once, not whenever the generator is collected; the
     body's error is the one raised."""
-    @contextlib.contextmanager
-    def guard():
-        try:
-            yield
-        except BaseException:
-            close = getattr(weights, "close", None)
-            if close is not None:
-                with contextlib.suppress(Exception):  # the other ranks went on: they raise too
-                    close()
-            raise
-    return guard()
+    try:
+        yield
+    except BaseException:
+        close = getattr(weights, "close", None)
+        if close is not None:
+            with contextlib.suppress(Exception):  # the other ranks went on: they raise too
+                close()
+        raise
 
 
 def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], *,
