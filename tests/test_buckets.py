@@ -167,3 +167,38 @@ def _empty_param(rank: int) -> float:
 def test_a_parameter_of_no_elements_in_a_bucket():
     for diff in run_ranks(_empty_param, 2):
         assert diff <= TOL, diff
+
+
+@pytest.mark.parametrize("factor", [1.0, 0.125])
+def test_a_bucket_added_at_once_sums_as_one_by_one(factor):
+    """The local accumulator's batched add (`_AddLocal.many`) gives, bit for bit, what adding each
+    gradient on its own gives: keys out of order, gaps (a parameter not reached), a transposed
+    gradient, a bfloat16 one large enough for the widening kernel, an empty parameter."""
+    import types
+
+    from zfunc.autograd.buckets import _AddLocal
+
+    gen = torch.Generator().manual_seed(0)
+    grads = {0: torch.randn(3, 5, generator=gen), 15: None, 22: torch.randn(7, generator=gen),
+             29: torch.empty(0),
+             40: torch.randn(4, 6, generator=gen).t(), 64: torch.randn(5000, generator=gen).bfloat16(),
+             5064: torch.randn(2, 2, generator=gen)}
+    keys = (5064, 22, 0, 40, 15, 29, 64)
+    avg = types.SimpleNamespace(factor=factor)
+    sums = []
+    for batched in (True, False):
+        sink = torch.zeros(5068, requires_grad=True)
+        sink.grad = torch.randn(5068, generator=torch.Generator().manual_seed(1))
+        add = _AddLocal(sink, avg)
+        for _ in range(2):  # a second micro-batch adds onto the first
+            if batched:
+                add.many(keys, tuple(grads[k] for k in keys))
+            else:
+                for k in keys:
+                    if grads[k] is not None:
+                        add(k, grads[k])
+        sums.append(sink.grad)
+    assert torch.equal(sums[0], sums[1])
+    base = torch.randn(5068, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(sums[0][15:22], base[15:22])  # the gap (nothing reached it) keeps its values
+    assert not torch.equal(sums[0], base)

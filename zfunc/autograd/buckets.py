@@ -398,10 +398,14 @@ class _Taps(VmapAsIs, torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
         refuse_create_graph(torch.is_grad_enabled())
-        # most are None in the backward of a segment a reentrant checkpoint recomputed
-        arrived = list(map(operator.is_not, grads, itertools.repeat(None)))
-        for key, grad in zip(itertools.compress(ctx.keys, arrived), itertools.compress(grads, arrived)):
-            ctx.take(key, grad)
+        many = getattr(ctx.take, "many", None)  # a taker that places a bucket's gradients at once
+        if many is not None:
+            many(ctx.keys, grads)
+        else:
+            # most are None in the backward of a segment a reentrant checkpoint recomputed
+            arrived = list(map(operator.is_not, grads, itertools.repeat(None)))
+            for key, grad in zip(itertools.compress(ctx.keys, arrived), itertools.compress(grads, arrived)):
+                ctx.take(key, grad)
         return torch.zeros((), dtype=torch.float32, device=ctx.device), None, None, None, None
 
 
@@ -533,6 +537,66 @@ class _Sink(VmapAsIs, torch.autograd.Function):
         return torch.zeros((), dtype=ctx.dtype, device=_.device).expand(ctx.shape)
 
 
+class _AddLocal:
+    """A `_Taps` taker for `local_views`: each gradient, keyed by its offset in the unit, added
+    times ``avg.factor`` into the accumulator ``sink.grad``.
+
+    ``many`` adds a bucket's gradients at once: those of the accumulator's dtype laid out
+    contiguously go in one ``torch._foreach_add_`` over views that one ``split`` makes of the
+    accumulator (two calls into torch rather than three per parameter; a model of many small
+    parameters spends most of its backward overhead there), the others one by one. The sums are
+    ``add_``'s, element for element.
+
+    Examples:
+        >>> import torch, types
+        >>> sink = torch.zeros(6, requires_grad=True); sink.grad = torch.zeros(6)
+        >>> add = _AddLocal(sink, types.SimpleNamespace(factor=0.5))
+        >>> add.many((4, 0, 3), (torch.ones(2), torch.full((2,), 4.0), None))
+        >>> add(2, torch.ones(1)); sink.grad.tolist()
+        [2.0, 2.0, 0.5, 0.0, 0.5, 0.5]
+    """
+
+    __slots__ = ("sink", "avg")
+
+    def __init__(self, sink: torch.Tensor, avg: Average):
+        self.sink, self.avg = sink, avg
+
+    def __call__(self, start: int, grad: torch.Tensor) -> None:
+        grad = _flat_if_free(grad)
+        add_into(_shaped(self.sink.grad.narrow(0, start, grad.numel()), grad), grad, self.avg.factor)
+
+    def many(self, keys: tuple, grads: tuple) -> None:
+        acc, factor = self.sink.grad, self.avg.factor
+        batch = []
+        for key, grad in zip(keys, grads):
+            if grad is None:  # not reached in this graph (a reentrant segment's backward: most)
+                continue
+            if grad.dtype == acc.dtype and grad.is_contiguous():
+                batch.append((key, grad))
+            else:  # another dtype (the widening kernel), or strided (written in one pass as it is)
+                self(key, grad)
+        if len(batch) < 2:
+            for key, grad in batch:
+                self(key, grad)
+            return
+        batch.sort(key=operator.itemgetter(0))
+        sizes, picks, srcs = [], [], []
+        start = end = batch[0][0]
+        for key, grad in batch:
+            if key > end:  # a gap (a parameter not reached, alignment): split off, left alone
+                sizes.append(key - end)
+            picks.append(len(sizes))
+            sizes.append(grad.numel())
+            srcs.append(grad.view(-1))
+            end = key + grad.numel()
+        parts = acc.narrow(0, start, end - start).split_with_sizes(sizes)
+        dsts = [parts[i] for i in picks]
+        if factor == 1.0:
+            torch._foreach_add_(dsts, srcs)
+        else:
+            torch._foreach_add_(dsts, srcs, alpha=factor)
+
+
 def local_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, ...],
                 avg: Average) -> tuple[dict[str, torch.Tensor], Rebind]:
     """Parameter views of ``state.compute`` (stages 0-1, one unit) whose gradients backward adds,
@@ -540,11 +604,7 @@ def local_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, ..
     gradient of the whole unit is assembled first (a concatenation and a fresh unit-sized buffer
     per micro-batch). Also the call's `Rebind`."""
     (unit,) = state.layout.units
-
-    def add(start: int, grad: torch.Tensor) -> None:
-        grad = _flat_if_free(grad)
-        add_into(_shaped(sink.grad.narrow(0, start, grad.numel()), grad), grad, avg.factor)
-
+    add = _AddLocal(sink, avg)
     compute = state.compute
     hub = _Sink.apply(sink)
     by_bucket = [[(s.offset, s) for s in b.slots] for b in buckets]
