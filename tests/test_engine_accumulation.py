@@ -290,3 +290,55 @@ def test_a_16_bit_reduce_takes_the_mean_first_at_every_stage():
     results = {stage: run_ranks(_fp16_sum, 2, stage) for stage in (2, 3)}
     assert results[2] == results[3]
     assert all(skipped == 0 for skipped, _ in results[3])
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_an_engine_backward_in_another_thread_leaves_other_backwards_alone(stage):
+    """The engine's ``backward(loss)`` seeds ``1 / GAS`` itself, so the gradients of that backward
+    enter without it; a pure ``backward_step`` another thread runs meanwhile (a state of its own
+    over another module) keeps its own ``1 / GAS``, bit for bit, and the engine's gradients are
+    those of the same backward alone."""
+    import threading
+
+    engine, *_ = zfunc.initialize(model=_model(), config=_config(stage, 4))
+    state = zfunc.init(_model(), zfunc.Config(stage=stage, grad_accum=4))
+    x, y = _micro(0, 0, 0)
+
+    def loss_fn(model, batch):
+        return F.mse_loss(model(batch[0]), batch[1])
+
+    def grads(st):
+        return st.grads.clone()  # world 1: the whole flat gradient
+
+    alone = grads(zfunc.backward_step(state, loss_fn, (x, y))[0])
+    engine.backward(loss_fn(engine, (x, y)))
+    engine_alone = zfunc.utils.safe_get_full_grad(next(engine.module.parameters())).clone()
+    engine.zero_grad()
+
+    inside, release = threading.Event(), threading.Event()
+
+    def pause(g: torch.Tensor) -> torch.Tensor:
+        inside.set()
+        release.wait(30)
+        return g
+
+    errors = []
+
+    def run_engine() -> None:
+        try:
+            out = engine(x)
+            out.register_hook(pause)  # the engine's backward waits here, in flight
+            engine.backward(F.mse_loss(out, y))
+        except BaseException as e:  # reported below
+            errors.append(e)
+            inside.set()
+
+    thread = threading.Thread(target=run_engine)
+    thread.start()
+    assert inside.wait(30)
+    during = grads(zfunc.backward_step(state, loss_fn, (x, y))[0])
+    release.set()
+    thread.join(30)
+    assert not errors, errors
+    assert torch.equal(during, alone), (during / alone)[:3]
+    assert torch.equal(zfunc.utils.safe_get_full_grad(next(engine.module.parameters())), engine_alone)

@@ -5,16 +5,23 @@ anything but its parameters (an input gradient, a penalty with ``create_graph=Tr
 torch's. The mean over ranks and micro-batches is a factor on each parameter gradient where it
 enters the state (a bucket's tap, a stage-3 unit's reduce-scatter): ``1 / (grad_accum * world)``
 for a backward seeded with the loss as it is (``backward_step``, ``vjp``, a plain
-``loss.backward()`` through the engine), ``1 / world`` while the engine's own ``backward(loss)``
-runs, whose seed carries the ``1 / grad_accum`` as DeepSpeed's does. The loss scale is never
+``loss.backward()`` through the engine), ``1 / world`` in a backward the engine's own
+``backward(loss)`` started, whose seed carries the ``1 / grad_accum`` as DeepSpeed's does (that
+backward alone: another thread's backward meanwhile keeps its factor). The loss scale is never
 here: it multiplies the loss (or a `zfunc.vjp` cotangent) and is divided out in the step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
+
+import torch
+
+from zfunc._probes import graph_task
+from zfunc.autograd import calls
 
 if TYPE_CHECKING:
     from zfunc.core.state import TrainState
@@ -33,9 +40,43 @@ def ranks_averaged(state: TrainState) -> int:
     return state.group.size if state.cfg.grad_reduce == "mean" else 1
 
 
-# Engine backwards running now whose seed carries 1 / grad_accum: while one runs, every engine's
-# parameter gradients enter times 1 / world (one loss may reach several engines).
-SEEDED = 0
+# The backwards an engine's ``backward(loss)`` started (their seed carries 1 / grad_accum), by
+# graph task, each with the thread that ran its first node; filled and emptied by `Average.seeded`.
+# Every engine's parameter gradients in such a backward enter times 1 / world (one loss may reach
+# several engines), and so do those of a backward nested in it in that thread (reentrant
+# checkpointing differentiates a segment in a graph task of its own). Any other backward,
+# whichever thread runs it, keeps 1 / (grad_accum * world).
+SEEDED: dict[int, int] = {}
+_LOCK = threading.Lock()
+
+
+def seeded_now() -> bool:
+    """Whether the backward running now is one whose seed carries ``1 / grad_accum`` (above)."""
+    if not SEEDED:
+        return False
+    task = graph_task()
+    if task in SEEDED:
+        return True
+    return calls.nested() and threading.get_ident() in SEEDED.values()
+
+
+class _Mark:
+    """Notes the backwards that reach a seeded loss (`SEEDED`), and forgets them."""
+
+    __slots__ = ("tasks",)
+
+    def __init__(self) -> None:
+        self.tasks: list[int] = []
+
+    def __call__(self, task: int) -> None:
+        with _LOCK:
+            SEEDED[task] = threading.get_ident()
+        self.tasks.append(task)
+
+    def forget(self) -> None:
+        with _LOCK:
+            for task in self.tasks:
+                SEEDED.pop(task, None)
 
 
 class Average:
@@ -47,14 +88,17 @@ class Average:
         ranks: ranks averaged over (`ranks_averaged`).
 
     Examples:
+        >>> import torch
         >>> avg = Average(micro_batches=4, ranks=2)
-        >>> avg.factor
-        0.125
-        >>> with avg.seeded():          # the seed carries 1 / micro_batches already
-        ...     avg.factor
-        0.5
-        >>> avg.factor
-        0.125
+        >>> w = torch.ones(1, requires_grad=True)
+        >>> seen = []
+        >>> _ = w.register_hook(lambda g: seen.append(avg.factor))
+        >>> loss = (w * 2).sum()
+        >>> with Average.seeded(loss):   # its seed carries 1 / micro_batches already
+        ...     loss.backward(torch.tensor(0.25))
+        >>> (w * 2).sum().backward()      # a backward seeded with the loss as it is
+        >>> seen, avg.factor
+        ([0.5, 0.125], 0.125)
     """
 
     def __init__(self, micro_batches: int, ranks: int):
@@ -62,7 +106,7 @@ class Average:
 
     @property
     def factor(self) -> float:
-        return 1.0 / (self.ranks if SEEDED else self.micro_batches * self.ranks)
+        return 1.0 / (self.ranks if seeded_now() else self.micro_batches * self.ranks)
 
     def current(self) -> float:
         """The factor now (for a backward that reads it when it runs)."""
@@ -70,12 +114,15 @@ class Average:
 
     @staticmethod
     @contextlib.contextmanager
-    def seeded() -> Iterator[None]:
-        """While a backward runs whose seed is divided by ``micro_batches`` already (every
-        engine's factor then leaves it out: a loss over several engines has one seed)."""
-        global SEEDED
-        SEEDED += 1
+    def seeded(loss: torch.Tensor) -> Iterator[None]:
+        """The backward from ``loss`` run inside the block has a seed divided by
+        ``micro_batches`` already: every engine's factor leaves it out there (a loss over several
+        engines has one seed); backwards elsewhere meanwhile are not affected."""
+        mark = _Mark()
+        handle = calls.note_backwards(loss, mark)
         try:
             yield
         finally:
-            SEEDED -= 1
+            if handle is not None:
+                handle.remove()
+            mark.forget()

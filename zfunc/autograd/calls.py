@@ -17,7 +17,7 @@ import contextvars
 import dataclasses
 import functools
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -25,7 +25,8 @@ import torch
 from zfunc._tree import tree
 from zfunc._probes import graph_task, is_transformed
 
-__all__ = ["CALLS", "BACKWARDS", "ENTERED", "current", "enter", "leave", "nested", "mark_outputs", "tensors_in"]
+__all__ = ["CALLS", "BACKWARDS", "ENTERED", "current", "enter", "leave", "nested", "mark_outputs", "note_backwards",
+           "tensors_in"]
 
 # The forward call running now, and how many run (any thread).
 _CURRENT: contextvars.ContextVar[Any] = contextvars.ContextVar("zfunc_call", default=None)
@@ -127,7 +128,35 @@ def mark_outputs(out: Any, call: Any) -> None:
         if fn is None or id(fn) in seen or is_transformed(t):
             continue
         seen.add(id(fn))
-        fn.register_prehook(functools.partial(_entered, call))
+        _prehook(fn, functools.partial(_entered, call))
+
+
+def note_backwards(t: torch.Tensor, note: Callable[[int], Any]) -> Any:
+    """Call ``note(task)`` with the graph task of each backward that reaches ``t``'s autograd node,
+    before the node runs (``t`` and the gradients are left alone). Returns the hook's handle (None
+    for a tensor without a node).
+
+    Examples:
+        >>> import torch
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> loss = (x * 2).sum()
+        >>> tasks = []
+        >>> handle = note_backwards(loss, tasks.append)
+        >>> loss.backward(); handle.remove(); len(tasks)
+        1
+    """
+    fn = t.grad_fn
+    if fn is None:
+        return None
+
+    def hook(grad_outputs: Any) -> None:
+        note(graph_task())
+
+    return _prehook(fn, hook)
+
+
+def _prehook(fn: Any, hook: Callable[[Any], None]) -> Any:
+    return fn.register_prehook(hook)
 
 
 def tensors_in(x: Any, depth: int = 4) -> Iterator[torch.Tensor]:

@@ -161,7 +161,7 @@ class Engine(ConfigAccessors, WeightsOut, torch.nn.Module):
         if task in self._tasks or calls.nested():
             return
         self._tasks.add(task)
-        scaled = average.SEEDED > 0 or task in self._scaled_tasks
+        scaled = average.seeded_now() or task in self._scaled_tasks
         self._scaled_tasks.discard(task)
         if self.cfg.loss_scale is not None and not scaled:
             self._tasks, self._losses = set(), []
@@ -230,7 +230,7 @@ class Engine(ConfigAccessors, WeightsOut, torch.nn.Module):
         self._check_scalar(loss, "backward")
         ga = self.cfg.grad_accum
         seed = loss_scaled(self._live(), torch.full_like(loss, 1.0 / ga if scale_wrt_gas else 1.0))
-        with Average.seeded():  # the factor where gradients enter: 1 / world (the seed has the rest)
+        with Average.seeded(loss):  # the factor where gradients enter: 1 / world (the seed has the rest)
             loss.backward(seed, retain_graph=retain_graph)
         detached = loss.detach().reshape(()).float()
         self._losses.append(detached)
@@ -243,7 +243,7 @@ class Engine(ConfigAccessors, WeightsOut, torch.nn.Module):
         self._check_scalar(loss, "scale")
         scaled = loss_scaled(self._state, loss)
         if scaled is not loss:  # a backward through it is scaled: noted as it passes
-            scaled.grad_fn.register_prehook(lambda grads: self._scaled_tasks.add(graph_task()))
+            calls.note_backwards(scaled, self._scaled_tasks.add)
         return scaled
 
     @staticmethod
