@@ -436,3 +436,47 @@ def test_an_interrupt_inside_a_unit_leaves_the_module_free():
         worker.start()
         worker.join()
         assert done == [True], stage
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_donated_module_called_directly_during_another_threads_call_is_refused(stage):
+    """While one thread runs a zfunc call of a donated module (the state's tensors are in the
+    module's entries), a direct call of the module in another thread is refused as any direct
+    call is: it never runs on, or sends gradients into, the other thread's call."""
+    import threading
+
+    model = _stack()
+    cfg = zfunc.Config(stage=stage, **({"units": ["0", "2"], "persist_threshold": 0} if stage == 3 else {}))
+    state = zfunc.init(model, cfg, donate=True)
+    inside, release = threading.Event(), threading.Event()
+    caller = []
+
+    def pause(mod, args):
+        if threading.get_ident() in caller:
+            inside.set()
+            release.wait(30)
+
+    handle = model[1].register_forward_pre_hook(pause)  # the zfunc call stops inside the module
+    out, errors = [], []
+
+    def run() -> None:
+        caller.append(threading.get_ident())
+        try:
+            out.append(zfunc.backward_step(state, _loss_fn, torch.ones(2, 4))[0])
+        except BaseException as e:  # reported below
+            errors.append(e)
+            inside.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        assert inside.wait(30)
+        with pytest.raises(RuntimeError, match=r"live in a zfunc state"):
+            model(torch.ones(1, 4))
+    finally:
+        release.set()
+        thread.join(30)
+        handle.remove()
+    assert not errors, errors
+    expected = zfunc.backward_step(state, _loss_fn, torch.ones(2, 4))[0]
+    assert torch.equal(out[0].grads, expected.grads)

@@ -427,7 +427,9 @@ class ModuleBinding(Routing):
         me = weakref.ref(self)
 
         def refuse(mod: torch.nn.Module, args: Any) -> None:
-            if calls.CALLS:  # inside a zfunc call (read first: a compiled block's hook traces without a break)
+            # Inside a zfunc call of this thread (the count first: a compiled block's hook traces it
+            # without a break); a call in another thread does not make a direct call here one
+            if calls.CALLS and (torch.compiler.is_compiling() or calls.current() is not None):
                 return
             b = me()
             if b is not None:
