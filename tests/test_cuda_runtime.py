@@ -52,8 +52,6 @@ def test_checkpointed_gradients_on_cuda_are_torchs(stage, ckpt):
 def test_a_raised_backward_on_cuda_stops_being_counted():
     """The marker's pre-hook runs on autograd's device thread; a backward that raises after it
     is forgotten when autograd lets it go, not only by a later forward on that thread."""
-    from zfunc.autograd import calls
-
     state = zfunc.init(torch.nn.Linear(3, 2).cuda(), zfunc.Config(stage=0))
     sinks = zfunc.core.backward.sinks_into(state, torch.zeros(state.layout.full_numel, device="cuda"))
     x = torch.ones(2, 3, device="cuda", requires_grad=True)
@@ -65,4 +63,4 @@ def test_a_raised_backward_on_cuda_stops_being_counted():
     x.register_hook(boom)
     with pytest.raises(ValueError):
         out.sum().backward()
-    assert calls.BACKWARDS == 0 and not calls.ENTERED
+    assert state.binding.flight.backwards == 0 and not state.binding.flight.nested()

@@ -134,7 +134,7 @@ def _raised_then_compiled(rank: int) -> tuple[int, bool]:
             zfunc.core.backward.bind(state, sinks)(torch.ones(2, 3)).sum().backward(create_graph=True)
         except RuntimeError as e:
             assert "create_graph" in str(e)
-    left = zfunc.autograd.calls.BACKWARDS
+    left = state.binding.flight.backwards
     return left, bool(_compiled(rank, 0, "blocks"))
 
 

@@ -50,14 +50,16 @@ SEEDED: dict[int, int] = {}
 _LOCK = threading.Lock()
 
 
-def seeded_now() -> bool:
-    """Whether the backward running now is one whose seed carries ``1 / grad_accum`` (above)."""
+def seeded_now(flight: calls.InFlight | None = None) -> bool:
+    """Whether the backward running now is one whose seed carries ``1 / grad_accum`` (above); a
+    backward nested in one is told by ``flight``, the binding's record of the backwards through
+    its calls' outputs (without one, any backward in a seeded backward's thread is)."""
     if not SEEDED:
         return False
     task = graph_task()
     if task in SEEDED:
         return True
-    return calls.nested() and threading.get_ident() in SEEDED.values()
+    return threading.get_ident() in SEEDED.values() and (flight is None or flight.nested())
 
 
 class _Mark:
@@ -86,6 +88,8 @@ class Average:
     Args:
         micro_batches: micro-batches per optimizer step (``grad_accum``).
         ranks: ranks averaged over (`ranks_averaged`).
+        flight: the binding's calls in flight (`zfunc.autograd.calls.InFlight`), which tells a
+            backward nested in an engine's own backward.
 
     Examples:
         >>> import torch
@@ -101,12 +105,12 @@ class Average:
         ([0.5, 0.125], 0.125)
     """
 
-    def __init__(self, micro_batches: int, ranks: int):
-        self.micro_batches, self.ranks = micro_batches, ranks
+    def __init__(self, micro_batches: int, ranks: int, flight: calls.InFlight | None = None):
+        self.micro_batches, self.ranks, self.flight = micro_batches, ranks, flight
 
     @property
     def factor(self) -> float:
-        return 1.0 / (self.ranks if seeded_now() else self.micro_batches * self.ranks)
+        return 1.0 / (self.ranks if seeded_now(self.flight) else self.micro_batches * self.ranks)
 
     def current(self) -> float:
         """The factor now (for a backward that reads it when it runs)."""

@@ -8,9 +8,9 @@ on each module holding parameters (inert except while a zfunc model's backward r
 forward, activation checkpointing), and, when the module was donated
 (``init(..., donate=True)``), a guard that refuses direct calls (which stays). The hooks hold the
 binding weakly: they leave the module when no state holds the binding, or at
-`ModuleBinding.remove`. Per-call context (which state, which sinks) travels in a context variable
-during the call and in the call's autograd graph after it, never in attributes of the user's
-modules or tensors.
+`ModuleBinding.remove`. Per-call context (which state, which sinks) travels in the binding's
+record of its calls in flight (`zfunc.autograd.calls.InFlight`, by thread) during the call and in
+the call's autograd graph after it, never in attributes of the user's modules or tensors.
 
 `ModuleBinding.bind` gives a `zfunc.autograd.bound.BoundModel`: the module as a function of its
 inputs, running on one state's tensors.
@@ -147,6 +147,7 @@ class ModuleBinding(Routing):
         # so one thread at a time (`occupied`).
         self._users: dict[int, int] = {}
         self._users_lock = threading.RLock()  # reentrant: a weakref callback may run under it (`_call_gone`)
+        self.flight = calls.InFlight()  # the calls running and the backwards through their outputs
         # Unit parameters by name as the module holds them outside their unit's forward
         # (placeholders that refuse to compute), so the enclosing functional_call restores them.
         self.unit_params: dict[str, torch.Tensor] = {}
@@ -289,11 +290,11 @@ class ModuleBinding(Routing):
         owners: dict[int, list[tuple[str, torch.nn.Module, str]]] = {}
         for slot in self._slots(outside):
             owners.setdefault(id(slot[1]), []).append(slot)
-        me = weakref.ref(self)
+        me, flight = weakref.ref(self), self.flight
 
         def pre(slots: list) -> Any:
             def hook(mod: torch.nn.Module, args: Any) -> None:
-                if calls.BACKWARDS == 0:  # a forward: nothing to do (and compiled blocks trace this)
+                if flight.backwards == 0:  # a forward: nothing to do (and compiled blocks trace this)
                     return
                 b = me()
                 if b is not None:
@@ -301,7 +302,7 @@ class ModuleBinding(Routing):
             return hook
 
         def post(mod: torch.nn.Module, args: Any, out: Any) -> None:
-            if calls.BACKWARDS == 0:
+            if flight.backwards == 0:
                 return
             b = me()
             if b is not None:
@@ -314,7 +315,7 @@ class ModuleBinding(Routing):
     def _rebind_in(self, mod: torch.nn.Module, slots: list[tuple[str, torch.nn.Module, str]]) -> bool:
         """In a forward recomputed during backward: put the parameters of the call whose backward
         this is in place (`_source`: found from the graph)."""
-        if calls.current() is not None or not _in_backward():
+        if self.flight.current() is not None or not _in_backward():
             return False
         source = self._source()
         if source is None:
@@ -368,7 +369,7 @@ class ModuleBinding(Routing):
 
     def _call(self) -> UnitGatherer | UnitViews | None:
         """The units of the call of this binding that a unit module running now belongs to."""
-        call = calls.current()
+        call = self.flight.current()
         if call is not None:
             return call.units if call.state.binding is self else None
         if self.stage == 3 and _in_backward():
@@ -412,7 +413,7 @@ class ModuleBinding(Routing):
         return hook
 
     def _refuse(self, *_: Any) -> None:
-        if calls.current() is None and not _in_backward() and not self._members:  # routed calls are zfunc's
+        if self.flight.current() is None and not _in_backward() and not self._members:  # routed calls are zfunc's
             _refuse_donated(self.module)
 
     def donate(self) -> None:
@@ -424,12 +425,12 @@ class ModuleBinding(Routing):
         # the trained ones; frozen parameters stay the module's
         set_data([(named[n], torch.empty(0, dtype=named[n].dtype, device=named[n].device))
                   for n in self.layout.names])
-        me = weakref.ref(self)
+        me, flight = weakref.ref(self), self.flight
 
         def refuse(mod: torch.nn.Module, args: Any) -> None:
             # Inside a zfunc call of this thread (the count first: a compiled block's hook traces it
             # without a break); a call in another thread does not make a direct call here one
-            if calls.CALLS and (torch.compiler.is_compiling() or calls.current() is not None):
+            if flight.calls and (torch.compiler.is_compiling() or flight.current() is not None):
                 return
             b = me()
             if b is not None:

@@ -109,7 +109,8 @@ class BoundModel(torch.nn.Module):
         for name in ("_modules", "_parameters", "_buffers"):
             object.__setattr__(self, name, getattr(module, name))
         self.state, self.sinks, self.new_buffers, self.fold = state, sinks, buffers, fold
-        self.avg = avg if avg is not None else Average(state.cfg.grad_accum, ranks_averaged(state))
+        self.avg = avg if avg is not None else Average(state.cfg.grad_accum, ranks_averaged(state),
+                                                       state.binding.flight)
         # What the module's entries hold now: an entry that differs during a call was put there
         # by the caller (torch.func.functional_call over this model) and wins over the state's.
         self.resting = [entries[attr] for entries, attr, _ in state.binding.entries]
@@ -196,7 +197,8 @@ class BoundModel(torch.nn.Module):
         given = self._given()
         tensors, args, kwargs, contexts = self.prepare(args, kwargs)
         tensors.update(given)
-        token = calls.enter(self)
+        flight = self.state.binding.flight
+        flight.enter(self)
         try:
             with contextlib.ExitStack() as stack:
                 for c in contexts:
@@ -217,7 +219,7 @@ class BoundModel(torch.nn.Module):
                     self.pending.wait_all()
             raise
         finally:
-            calls.leave(token)
+            flight.leave()
         return self.finish(out, tensors)
 
     def _given(self) -> dict[str, torch.Tensor]:
@@ -309,7 +311,7 @@ class BoundModel(torch.nn.Module):
         # From here the call's graph holds the call (its outputs' nodes), the bound model does not
         call, self.call, self.gatherer, self.units = self.call, None, None, None
         if torch.is_grad_enabled() and not in_backward():
-            calls.mark_outputs(out, call)
+            calls.mark_outputs(out, call, state.binding.flight)
         return out
 
 

@@ -1,19 +1,20 @@
 """Which zfunc call is running, and which backward differentiates a call, read without touching
 what the model returns.
 
-A forward call (`zfunc.autograd.bound.BoundModel`) is *current* from its start to its end (a
-context variable, and ``CALLS``, a plain count that compiled hooks read without a graph break).
+Each binding keeps its own record (`InFlight`, as FSDP2 keeps a module's runtime in its
+``FSDPState``): nothing here is process-wide. A forward call (`zfunc.autograd.bound.BoundModel`,
+or the engine's routed call of the module) is *current* in its thread from its start to its end.
 When it returns, a pre-hook goes on the autograd node of each tensor of its output: a node the
 user's module made, whose values, dtypes and views stay as they are (an in-place op on the output
 works as in torch). When a backward reaches one, the hook notes the backward's graph task on the
-call (``call.tasks``) and counts the backward as running (``BACKWARDS``, until autograd's end of
-that backward): so a forward that activation checkpointing recomputes during backward, outside
-zfunc's call, finds the call it belongs to (`zfunc.autograd.binding.ModuleBinding._source`).
+call (``call.tasks``) and counts the backward as running through the binding's calls (until
+autograd's end of that backward): so a forward that activation checkpointing recomputes during
+backward, outside zfunc's call, finds the call it belongs to
+(`zfunc.autograd.binding.ModuleBinding._source`), and the recompute hooks act only then.
 """
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 import threading
@@ -25,58 +26,83 @@ import torch
 from zfunc._tree import tree
 from zfunc._probes import graph_task, is_transformed
 
-__all__ = ["CALLS", "BACKWARDS", "ENTERED", "current", "enter", "leave", "nested", "mark_outputs", "note_backwards",
-           "tensors_in"]
-
-# The forward call running now, and how many run (any thread).
-_CURRENT: contextvars.ContextVar[Any] = contextvars.ContextVar("zfunc_call", default=None)
-CALLS = 0
-# Backwards running through a zfunc call's outputs now: how many (``BACKWARDS``, a plain count
-# compiled hooks read), and their counts by graph task. Each is forgotten at its backward's end,
-# or when autograd drops a raised backward's callbacks (`_Left`), whichever thread ran it.
-BACKWARDS = 0
-ENTERED: dict[int, int] = {}
-_LOCK = threading.Lock()
+__all__ = ["InFlight", "mark_outputs", "note_backwards", "tensors_in"]
 
 
-def nested() -> bool:
-    """Whether the backward running now is one a backward through a call's outputs started inside
-    itself (reentrant activation checkpointing recomputes and differentiates a segment in a
-    graph task of its own): it belongs to that outer backward."""
-    return bool(ENTERED) and graph_task() not in ENTERED
+class InFlight:
+    """One binding's calls in flight: the forward call running in each thread (nested calls
+    stack), how many run (``calls``, a plain count compiled hooks read without a graph break), and
+    the backwards running through its calls' outputs (``backwards``, likewise; and their counts by
+    graph task). A backward is forgotten at its end, or when autograd drops a raised backward's
+    callbacks (`_Left`), whichever thread ran it.
+
+    Examples:
+        >>> import torch, types
+        >>> flight = InFlight()
+        >>> call = types.SimpleNamespace(tasks=set())
+        >>> flight.enter(call); flight.current() is call, flight.calls
+        (True, 1)
+        >>> flight.leave(); flight.current(), flight.calls
+        (None, 0)
+    """
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.backwards = 0
+        self._running: dict[int, list[Any]] = {}  # thread -> its calls, innermost last
+        self._entered: dict[int, int] = {}  # graph task -> backwards through it
+        self._lock = threading.Lock()
+
+    def current(self) -> Any:
+        """The forward call running now in this thread, or None."""
+        stack = self._running.get(threading.get_ident())
+        return stack[-1] if stack else None
+
+    def enter(self, call: Any) -> None:
+        """``call`` starts in this thread: it is the current one until `leave`."""
+        with self._lock:
+            self._running.setdefault(threading.get_ident(), []).append(call)
+            self.calls += 1
+
+    def leave(self) -> None:
+        """This thread's current call ends."""
+        me = threading.get_ident()
+        with self._lock:
+            stack = self._running[me]
+            stack.pop()
+            if not stack:
+                del self._running[me]
+            self.calls -= 1
+
+    def nested(self) -> bool:
+        """Whether the backward running now is one that a backward through a call's outputs
+        started inside itself (reentrant activation checkpointing recomputes and differentiates a
+        segment in a graph task of its own): it belongs to that outer backward."""
+        return bool(self._entered) and graph_task() not in self._entered
+
+    def _enter_backward(self, task: int) -> None:
+        with self._lock:
+            self._entered[task] = self._entered.get(task, 0) + 1
+            self.backwards += 1
+
+    def _leave_backward(self, task: int) -> None:
+        with self._lock:
+            self.backwards -= 1
+            self._entered[task] -= 1
+            if self._entered[task] == 0:
+                del self._entered[task]
 
 
-def current() -> Any:
-    """The forward call running now in this context, or None."""
-    return _CURRENT.get()
-
-
-def enter(call: Any) -> contextvars.Token:
-    """``call`` starts: it is the current one until `leave`."""
-    global CALLS
-    CALLS += 1
-    return _CURRENT.set(call)
-
-
-def leave(token: contextvars.Token) -> None:
-    global CALLS
-    CALLS -= 1
-    _CURRENT.reset(token)
-
-
-def _entered(call: Any, grad_outputs: Any) -> None:
+def _entered(call: Any, flight: InFlight, grad_outputs: Any) -> None:
     """A backward reached the call's output: note it on the call, count it until it ends."""
     del grad_outputs
-    global BACKWARDS
     task = graph_task()
     call.tasks.add(task)
     on_backward = getattr(call, "on_backward", None)  # the binding's recompute hooks go on
     if on_backward is not None:
         on_backward()
-    with _LOCK:
-        ENTERED[task] = ENTERED.get(task, 0) + 1
-        BACKWARDS += 1
-    torch.autograd.Variable._execution_engine.queue_callback(_Left(task))  # at its end, or when it fails
+    flight._enter_backward(task)
+    torch.autograd.Variable._execution_engine.queue_callback(_Left(flight, task))  # at its end, or when it fails
 
 
 class _Left:
@@ -84,43 +110,36 @@ class _Left:
     and autograd drops its callbacks unrun, as it lets this go: either way the backward stops
     being counted, whichever thread ran it (on CUDA, autograd's device thread)."""
 
-    __slots__ = ("task",)
+    __slots__ = ("flight", "task")
 
-    def __init__(self, task: int):
-        self.task: int | None = task
+    def __init__(self, flight: InFlight, task: int):
+        self.flight: InFlight | None = flight
+        self.task = task
 
     def __call__(self) -> None:
-        task, self.task = self.task, None
-        if task is not None:
-            _left(task)
+        flight, self.flight = self.flight, None
+        if flight is not None:
+            flight._leave_backward(self.task)
 
     def __del__(self) -> None:
         self()
 
 
-def _left(task: int) -> None:
-    global BACKWARDS
-    with _LOCK:
-        BACKWARDS -= 1
-        ENTERED[task] -= 1
-        if ENTERED[task] == 0:
-            del ENTERED[task]
-
-
-def mark_outputs(out: Any, call: Any) -> None:
+def mark_outputs(out: Any, call: Any, flight: InFlight) -> None:
     """Put the backward marker (module docstring) on the autograd node of each tensor in ``out``
-    (the graph keeps ``call`` from then on, as long as it lives). Tensors under a ``torch.func``
-    transform are left alone: their nodes belong to the transform.
+    (the graph keeps ``call`` and ``flight``, its binding's record, from then on, as long as it
+    lives). Tensors under a ``torch.func`` transform are left alone: their nodes belong to the
+    transform.
 
     Examples:
         >>> import torch, types
-        >>> call = types.SimpleNamespace(tasks=set())
+        >>> call, flight = types.SimpleNamespace(tasks=set()), InFlight()
         >>> x = torch.ones(2, requires_grad=True)
         >>> y = x * 2
-        >>> mark_outputs({"y": y}, call)
+        >>> mark_outputs({"y": y}, call, flight)
         >>> y.sum().backward()
-        >>> len(call.tasks), y.requires_grad
-        (1, True)
+        >>> len(call.tasks), y.requires_grad, flight.backwards
+        (1, True, 0)
     """
     seen: set[int] = set()
     for t in tensors_in(out):
@@ -128,7 +147,7 @@ def mark_outputs(out: Any, call: Any) -> None:
         if fn is None or id(fn) in seen or is_transformed(t):
             continue
         seen.add(id(fn))
-        _prehook(fn, functools.partial(_entered, call))
+        _prehook(fn, functools.partial(_entered, call, flight))
 
 
 def note_backwards(t: torch.Tensor, note: Callable[[int], Any]) -> Any:

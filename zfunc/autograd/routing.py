@@ -26,12 +26,14 @@ __all__ = ["Routing"]
 
 class Routing:
     """`route`, `hold` and `unroute` for a binding (``module``, ``_handles``, ``_members``,
-    ``_frames``, ``entries``, ``canonical``, ``occupy``/``release``/``attach`` are the binding's)."""
+    ``_frames``, ``entries``, ``canonical``, ``flight``, ``occupy``/``release``/``attach`` are the
+    binding's)."""
 
     module: torch.nn.Module
     _handles: list[RemovableHandle]
     _members: list[Any]
     _frames: list[Any]
+    flight: calls.InFlight
 
     def route(self, bound: Callable[[], BoundModel | None]) -> None:
         """Calls of the module itself run on the state ``bound()`` binds, as calls of the bound
@@ -61,7 +63,7 @@ class Routing:
         self._members = []
 
     def _route_in(self, bound: Callable[[], BoundModel | None], args: tuple, kwargs: dict) -> Any:
-        if calls.current() is not None:  # zfunc's own call (functional_call) of the module
+        if self.flight.current() is not None:  # zfunc's own call (functional_call) of the module
             self._frames.append(None)
             return None
         model = bound()
@@ -82,26 +84,26 @@ class Routing:
         restore = (swap_in((entries, attr, tensors[name]) for entries, attr, name in members),
                    [name for _, _, name in members])
         stack = contextlib.ExitStack()
-        token = calls.enter(model)
+        self.flight.enter(model)
         try:
             for c in contexts:
                 stack.enter_context(c)
         except BaseException:
-            calls.leave(token)
+            self.flight.leave()
             self._put_back(restore, tensors)
             self.release()
             raise
-        self._frames[-1] = (model, tensors, restore, token, stack)
+        self._frames[-1] = (model, tensors, restore, stack)
         return args, kwargs
 
     def _route_out(self, out: Any) -> Any:
         frame = self._frames.pop() if self._frames else None
         if frame is None:
             return None
-        model, tensors, restore, token, stack = frame
+        model, tensors, restore, stack = frame
         try:
             stack.close()
-            calls.leave(token)
+            self.flight.leave()
             self._put_back(restore, tensors)
         finally:
             self.release()

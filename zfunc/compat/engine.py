@@ -145,7 +145,7 @@ class Engine(ConfigAccessors, WeightsOut, torch.nn.Module):
         self._state = state = settle(state)  # the module's parameters show every slice
         self._sinks = sinks_into(state, state.grads)
         self._fold: Fold | None = None  # the boundary's reduce in backward (stages 0-1), per step
-        self._avg = Average(state.cfg.grad_accum, ranks_averaged(state))
+        self._avg = Average(state.cfg.grad_accum, ranks_averaged(state), state.binding.flight)
         for sink in self._sinks:  # notes each backward that reaches the state (`_grad_arrived`)
             sink.register_post_accumulate_grad_hook(_weakly(self, Engine._grad_arrived))
         self._tasks, self._losses = set(), []
@@ -158,10 +158,10 @@ class Engine(ConfigAccessors, WeightsOut, torch.nn.Module):
         scaling, refuse one whose seed did not carry the scale (DeepSpeed's rule): neither an
         engine's ``backward`` nor a loss from `scale`."""
         task = graph_task()
-        if task in self._tasks or calls.nested():
+        if task in self._tasks or self._state.binding.flight.nested():
             return
         self._tasks.add(task)
-        scaled = average.seeded_now() or task in self._scaled_tasks
+        scaled = average.seeded_now(self._state.binding.flight) or task in self._scaled_tasks
         self._scaled_tasks.discard(task)
         if self.cfg.loss_scale is not None and not scaled:
             self._tasks, self._losses = set(), []
