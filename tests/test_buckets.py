@@ -173,17 +173,19 @@ def test_a_parameter_of_no_elements_in_a_bucket():
 def test_a_bucket_added_at_once_sums_as_one_by_one(factor):
     """The local accumulator's batched add (`_AddLocal.many`) gives, bit for bit, what adding each
     gradient on its own gives: keys out of order, gaps (a parameter not reached), a transposed
-    gradient, a bfloat16 one large enough for the widening kernel, an empty parameter."""
+    gradient, a bfloat16 one large enough for the widening kernel, empty parameters (one at the
+    offset of the next parameter, listed after it; one at the end)."""
     import types
 
     from zfunc.autograd.buckets import _AddLocal
 
     gen = torch.Generator().manual_seed(0)
-    grads = {0: torch.randn(3, 5, generator=gen), 15: None, 22: torch.randn(7, generator=gen),
-             29: torch.empty(0),
-             40: torch.randn(4, 6, generator=gen).t(), 64: torch.randn(5000, generator=gen).bfloat16(),
-             5064: torch.randn(2, 2, generator=gen)}
-    keys = (5064, 22, 0, 40, 15, 29, 64)
+    pairs = [(5064, torch.randn(2, 2, generator=gen)), (22, torch.randn(7, generator=gen)),
+             (22, torch.empty(0)),  # an empty parameter shares the offset of the one before it in keys
+             (0, torch.randn(3, 5, generator=gen)), (40, torch.randn(4, 6, generator=gen).t()),
+             (15, None), (29, torch.empty(0)), (64, torch.randn(5000, generator=gen).bfloat16()),
+             (5068, torch.empty(0, 3))]
+    keys = tuple(k for k, _ in pairs)
     avg = types.SimpleNamespace(factor=factor)
     sums = []
     for batched in (True, False):
@@ -192,11 +194,11 @@ def test_a_bucket_added_at_once_sums_as_one_by_one(factor):
         add = _AddLocal(sink, avg)
         for _ in range(2):  # a second micro-batch adds onto the first
             if batched:
-                add.many(keys, tuple(grads[k] for k in keys))
+                add.many(keys, tuple(g for _, g in pairs))
             else:
-                for k in keys:
-                    if grads[k] is not None:
-                        add(k, grads[k])
+                for k, g in pairs:
+                    if g is not None:
+                        add(k, g)
         sums.append(sink.grad)
     assert torch.equal(sums[0], sums[1])
     base = torch.randn(5068, generator=torch.Generator().manual_seed(1))

@@ -335,10 +335,54 @@ def test_an_engine_backward_in_another_thread_leaves_other_backwards_alone(stage
 
     thread = threading.Thread(target=run_engine)
     thread.start()
-    assert inside.wait(30)
-    during = grads(zfunc.backward_step(state, loss_fn, (x, y))[0])
-    release.set()
-    thread.join(30)
-    assert not errors, errors
+    try:
+        assert inside.wait(30)
+        during = grads(zfunc.backward_step(state, loss_fn, (x, y))[0])
+    finally:
+        release.set()
+        thread.join(30)
+    assert not thread.is_alive() and not errors, errors
     assert torch.equal(during, alone), (during / alone)[:3]
     assert torch.equal(zfunc.utils.safe_get_full_grad(next(engine.module.parameters())), engine_alone)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("fp16", [False, True])
+def test_the_engine_called_inside_a_reentrant_checkpoint(stage, fp16):
+    """``engine.backward(loss)`` where the engine's own call sits inside a reentrant checkpoint:
+    the recomputed call's gradients come in a backward nested in the engine's, whose seed carries
+    ``1 / GAS`` (and the loss scale): the gradient is the plain call's, and fp16's scale check
+    passes."""
+    from torch.utils.checkpoint import checkpoint
+
+    cfg = _config(stage, 4)
+    if fp16:
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 4}
+    x, y = _micro(0, 0, 0)
+    got = {}
+    for how in ("plain", "checkpointed"):
+        engine, *_ = zfunc.initialize(model=_model(), config=cfg)
+        pred = engine(x) if how == "plain" else checkpoint(engine, x.clone().requires_grad_(), use_reentrant=True)
+        engine.backward(F.mse_loss(pred.float(), y))
+        got[how] = zfunc.utils.safe_get_full_grad(next(engine.module.parameters())).clone()
+    assert torch.equal(got["checkpointed"], got["plain"]), (got["checkpointed"] / got["plain"]).flatten()[:3]
+
+
+def test_an_engine_and_its_bound_model_deep_copy():
+    """``copy.deepcopy`` of an engine and of the bound model a loss function receives works (the
+    binding, and its record of calls in flight, shared as a state's copies share them)."""
+    import copy
+
+    engine, *_ = zfunc.initialize(model=_model(), config=_config(3, 1))
+    twin = copy.deepcopy(engine)
+    assert twin.state.binding is engine.state.binding
+    assert twin.state.binding.flight is engine.state.binding.flight
+    seen = []
+
+    def loss_fn(model, batch):
+        seen.append(copy.deepcopy(model))
+        return F.mse_loss(model(batch[0]), batch[1])
+
+    state = zfunc.init(_model(), zfunc.Config(stage=3))
+    zfunc.backward_step(state, loss_fn, _micro(0, 0, 0))
+    assert seen and seen[0].state.binding.flight is state.binding.flight

@@ -45,21 +45,25 @@ def ranks_averaged(state: TrainState) -> int:
 # Every engine's parameter gradients in such a backward enter times 1 / world (one loss may reach
 # several engines), and so do those of a backward nested in it in that thread (reentrant
 # checkpointing differentiates a segment in a graph task of its own). Any other backward,
-# whichever thread runs it, keeps 1 / (grad_accum * world).
+# whichever thread runs it, keeps 1 / (grad_accum * world). On CUDA autograd runs every thread's
+# backward on its device thread: a reentrant segment's backward that another thread starts while
+# an engine's own backward runs there is taken as nested in it (not measured: no GPU here).
 SEEDED: dict[int, int] = {}
 _LOCK = threading.Lock()
 
 
 def seeded_now(flight: calls.InFlight | None = None) -> bool:
-    """Whether the backward running now is one whose seed carries ``1 / grad_accum`` (above); a
-    backward nested in one is told by ``flight``, the binding's record of the backwards through
-    its calls' outputs (without one, any backward in a seeded backward's thread is)."""
+    """Whether the backward running now is one whose seed carries ``1 / grad_accum`` (above). A
+    backward in the thread of a seeded one is nested in it unless it reached one of the calls'
+    outputs itself (``flight``, the binding's record): reentrant checkpointing differentiates a
+    segment in a graph task of its own, whose outputs were made under ``no_grad`` and so are not
+    marked, whether the call is inside the segment or the segment inside the call."""
     if not SEEDED:
         return False
     task = graph_task()
     if task in SEEDED:
         return True
-    return threading.get_ident() in SEEDED.values() and (flight is None or flight.nested())
+    return threading.get_ident() in SEEDED.values() and (flight is None or not flight.through_calls(task))
 
 
 class _Mark:

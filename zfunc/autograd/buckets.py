@@ -569,8 +569,8 @@ class _AddLocal:
         acc, factor = self.sink.grad, self.avg.factor
         batch = []
         for key, grad in zip(keys, grads):
-            if grad is None:  # not reached in this graph (a reentrant segment's backward: most)
-                continue
+            if grad is None or grad.numel() == 0:  # not reached in this graph (a reentrant segment's
+                continue  # backward: most), or empty (at the offset of the parameter after it)
             if grad.dtype == acc.dtype and grad.is_contiguous():
                 batch.append((key, grad))
             else:  # another dtype (the widening kernel), or strided (written in one pass as it is)

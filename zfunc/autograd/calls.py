@@ -74,6 +74,16 @@ class InFlight:
                 del self._running[me]
             self.calls -= 1
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> InFlight:
+        return self  # the binding's, as the binding is shared by a state's copies
+
+    def __reduce__(self) -> tuple:
+        return (InFlight, ())  # in another process nothing is in flight
+
+    def through_calls(self, task: int) -> bool:
+        """Whether backward ``task`` reached one of the binding's calls' outputs."""
+        return task in self._entered
+
     def nested(self) -> bool:
         """Whether the backward running now is one that a backward through a call's outputs
         started inside itself (reentrant activation checkpointing recomputes and differentiates a
