@@ -7,7 +7,9 @@ embedding). `run_ranks` runs a module-level function on a persistent local gloo 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -203,3 +205,33 @@ def side_by_side(engine: Any, ref: nn.Module, opt: torch.optim.Optimizer, steps:
         ref(x).square().sum().backward()
         opt.step()
         opt.zero_grad()
+
+
+@contextlib.contextmanager
+def paused_in_thread(fn: Callable[[Callable[[], None]], Any]) -> Iterator[None]:
+    """Run ``fn(pause)`` in another thread and, once it calls ``pause()``, the block in this one
+    while that thread waits there (in flight); it goes on after the block. Fails if ``fn``
+    raised or its thread did not end."""
+    inside, release = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def pause() -> None:
+        inside.set()
+        release.wait(30)
+
+    def run() -> None:
+        try:
+            fn(pause)
+        except BaseException as e:  # reported below
+            errors.append(e)
+            inside.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        assert inside.wait(30)
+        yield
+    finally:
+        release.set()
+        thread.join(30)
+    assert not thread.is_alive() and not errors, errors

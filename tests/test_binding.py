@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import zfunc
-from tests.helpers import bitwise_equal, run_ranks, snapshot
+from tests.helpers import bitwise_equal, paused_in_thread, run_ranks, snapshot
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PRECISIONS = {"fp32": {}, "bf16": {"precision": "bf16"},
@@ -448,35 +448,24 @@ def test_a_donated_module_called_directly_during_another_threads_call_is_refused
     model = _stack()
     cfg = zfunc.Config(stage=stage, **({"units": ["0", "2"], "persist_threshold": 0} if stage == 3 else {}))
     state = zfunc.init(model, cfg, donate=True)
-    inside, release = threading.Event(), threading.Event()
-    caller = []
+    caller: list = []  # (the thread running the call, its pause)
 
-    def pause(mod, args):
-        if threading.get_ident() in caller:
-            inside.set()
-            release.wait(30)
+    def stop(mod, args):
+        if caller and threading.get_ident() == caller[0][0]:
+            caller[0][1]()
 
-    handle = model[1].register_forward_pre_hook(pause)  # the zfunc call stops inside the module
-    out, errors = [], []
+    handle = model[1].register_forward_pre_hook(stop)  # the zfunc call stops inside the module
+    out = []
 
-    def run() -> None:
-        caller.append(threading.get_ident())
-        try:
-            out.append(zfunc.backward_step(state, _loss_fn, torch.ones(2, 4))[0])
-        except BaseException as e:  # reported below
-            errors.append(e)
-            inside.set()
+    def run(pause) -> None:
+        caller.append((threading.get_ident(), pause))
+        out.append(zfunc.backward_step(state, _loss_fn, torch.ones(2, 4))[0])
 
-    thread = threading.Thread(target=run)
-    thread.start()
     try:
-        assert inside.wait(30)
-        with pytest.raises(RuntimeError, match=r"live in a zfunc state"):
-            model(torch.ones(1, 4))
+        with paused_in_thread(run):
+            with pytest.raises(RuntimeError, match=r"live in a zfunc state"):
+                model(torch.ones(1, 4))
     finally:
-        release.set()
-        thread.join(30)
         handle.remove()
-    assert not thread.is_alive() and not errors, errors
     expected = zfunc.backward_step(state, _loss_fn, torch.ones(2, 4))[0]
     assert torch.equal(out[0].grads, expected.grads)

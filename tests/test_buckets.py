@@ -177,7 +177,7 @@ def test_a_bucket_added_at_once_sums_as_one_by_one(factor):
     offset of the next parameter, listed after it; one at the end)."""
     import types
 
-    from zfunc.autograd.buckets import _AddLocal
+    from zfunc.autograd.local import _AddLocal
 
     gen = torch.Generator().manual_seed(0)
     pairs = [(5064, torch.randn(2, 2, generator=gen)), (22, torch.randn(7, generator=gen)),

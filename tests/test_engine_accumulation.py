@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zfunc
-from tests.helpers import run_ranks
+from tests.helpers import paused_in_thread, run_ranks
 
 LR, STEPS = 0.5, 3
 
@@ -298,8 +298,6 @@ def test_an_engine_backward_in_another_thread_leaves_other_backwards_alone(stage
     enter without it; a pure ``backward_step`` another thread runs meanwhile (a state of its own
     over another module) keeps its own ``1 / GAS``, bit for bit, and the engine's gradients are
     those of the same backward alone."""
-    import threading
-
     engine, *_ = zfunc.initialize(model=_model(), config=_config(stage, 4))
     state = zfunc.init(_model(), zfunc.Config(stage=stage, grad_accum=4))
     x, y = _micro(0, 0, 0)
@@ -315,33 +313,13 @@ def test_an_engine_backward_in_another_thread_leaves_other_backwards_alone(stage
     engine_alone = zfunc.utils.safe_get_full_grad(next(engine.module.parameters())).clone()
     engine.zero_grad()
 
-    inside, release = threading.Event(), threading.Event()
+    def run_engine(pause) -> None:
+        out = engine(x)
+        out.register_hook(lambda g: (pause(), g)[1])  # the engine's backward waits here, in flight
+        engine.backward(F.mse_loss(out, y))
 
-    def pause(g: torch.Tensor) -> torch.Tensor:
-        inside.set()
-        release.wait(30)
-        return g
-
-    errors = []
-
-    def run_engine() -> None:
-        try:
-            out = engine(x)
-            out.register_hook(pause)  # the engine's backward waits here, in flight
-            engine.backward(F.mse_loss(out, y))
-        except BaseException as e:  # reported below
-            errors.append(e)
-            inside.set()
-
-    thread = threading.Thread(target=run_engine)
-    thread.start()
-    try:
-        assert inside.wait(30)
+    with paused_in_thread(run_engine):
         during = grads(zfunc.backward_step(state, loss_fn, (x, y))[0])
-    finally:
-        release.set()
-        thread.join(30)
-    assert not thread.is_alive() and not errors, errors
     assert torch.equal(during, alone), (during / alone)[:3]
     assert torch.equal(zfunc.utils.safe_get_full_grad(next(engine.module.parameters())), engine_alone)
 

@@ -1,0 +1,116 @@
+"""The local accumulator's path (stages 0-1, and stage 2 on one rank): each bucket's gradients
+added, times the data-parallel factor, straight into the full local accumulator as backward
+delivers them, through the same bucket taps (`zfunc.autograd.buckets._Taps`) the reducing path
+uses. No gradient of the whole unit is assembled and nothing is reduced in backward here (the
+step's last micro-batch at stages 0-1 reduces in backward through `zfunc.autograd.buckets.Fold`
+instead).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from zfunc.autograd.average import Average
+from zfunc.autograd.buckets import Bucket, Rebind, _bucket_taps, _flat_if_free, _keep, _shaped
+from zfunc.distributed._vmap import VmapAsIs
+from zfunc.distributed.widen import add_into
+
+if TYPE_CHECKING:
+    from zfunc.core.state import TrainState
+
+__all__ = ["local_views"]
+
+
+class _Sink(VmapAsIs, torch.autograd.Function):
+    """The node every `local_views` tap feeds (``hub = _Sink.apply(sink)``): the gradients are in the
+    accumulator already, so it hands the sink a zero that holds no memory (its hooks still run)."""
+
+    @staticmethod
+    def forward(sink: torch.Tensor) -> torch.Tensor:
+        return torch.zeros((), dtype=torch.float32, device=sink.device)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.shape, ctx.dtype = inputs[0].shape, inputs[0].dtype
+
+    @staticmethod
+    def backward(ctx: Any, _: torch.Tensor) -> torch.Tensor:
+        return torch.zeros((), dtype=ctx.dtype, device=_.device).expand(ctx.shape)
+
+
+class _AddLocal:
+    """A `_Taps` taker for `local_views`: each gradient, keyed by its offset in the unit, added
+    times ``avg.factor`` into the accumulator ``sink.grad``.
+
+    ``many`` adds a bucket's gradients at once: those of the accumulator's dtype laid out
+    contiguously go in one ``torch._foreach_add_`` over views that one ``split`` makes of the
+    accumulator (two calls into torch rather than three per parameter; a model of many small
+    parameters spends most of its backward overhead there), the others one by one. The sums are
+    ``add_``'s, element for element.
+
+    Examples:
+        >>> import torch, types
+        >>> sink = torch.zeros(6, requires_grad=True); sink.grad = torch.zeros(6)
+        >>> add = _AddLocal(sink, types.SimpleNamespace(factor=0.5))
+        >>> add.many((4, 0, 3), (torch.ones(2), torch.full((2,), 4.0), None))
+        >>> add(2, torch.ones(1)); sink.grad.tolist()
+        [2.0, 2.0, 0.5, 0.0, 0.5, 0.5]
+    """
+
+    __slots__ = ("sink", "avg")
+
+    def __init__(self, sink: torch.Tensor, avg: Average):
+        self.sink, self.avg = sink, avg
+
+    def __call__(self, start: int, grad: torch.Tensor) -> None:
+        grad = _flat_if_free(grad)
+        add_into(_shaped(self.sink.grad.narrow(0, start, grad.numel()), grad), grad, self.avg.factor)
+
+    def many(self, keys: tuple, grads: tuple) -> None:
+        acc, factor = self.sink.grad, self.avg.factor
+        batch = []
+        for key, grad in zip(keys, grads):
+            if grad is None or grad.numel() == 0:  # not reached in this graph (a reentrant segment's
+                continue  # backward: most), or empty (at the offset of the parameter after it)
+            if grad.dtype == acc.dtype and grad.is_contiguous():
+                batch.append((key, grad))
+            else:  # another dtype (the widening kernel), or strided (written in one pass as it is)
+                self(key, grad)
+        if len(batch) < 2:
+            for key, grad in batch:
+                self(key, grad)
+            return
+        batch.sort(key=operator.itemgetter(0))
+        sizes, picks, srcs = [], [], []
+        start = end = batch[0][0]
+        for key, grad in batch:
+            if key > end:  # a gap (a parameter not reached, alignment): split off, left alone
+                sizes.append(key - end)
+            picks.append(len(sizes))
+            sizes.append(grad.numel())
+            srcs.append(grad.view(-1))
+            end = key + grad.numel()
+        parts = acc.narrow(0, start, end - start).split_with_sizes(sizes)
+        dsts = [parts[i] for i in picks]
+        if factor == 1.0:
+            torch._foreach_add_(dsts, srcs)
+        else:
+            torch._foreach_add_(dsts, srcs, alpha=factor)
+
+
+def local_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, ...],
+                avg: Average) -> tuple[dict[str, torch.Tensor], Rebind]:
+    """Parameter views of ``state.compute`` (stages 0-1, one unit) whose gradients backward adds,
+    times ``avg.factor``, bucket by bucket, into the full local accumulator ``sink.grad``: no flat
+    gradient of the whole unit is assembled first (a concatenation and a fresh unit-sized buffer
+    per micro-batch). Also the call's `Rebind`."""
+    (unit,) = state.layout.units
+    add = _AddLocal(sink, avg)
+    compute = state.compute
+    hub = _Sink.apply(sink)
+    by_bucket = [[(s.offset, s) for s in b.slots] for b in buckets]
+    rebind = _keep(hub, Rebind(compute, by_bucket, add))
+    return _bucket_taps(hub, compute, add, by_bucket), rebind
