@@ -144,7 +144,7 @@ def _pullbacks(rank: int, stage: int, ckpt: str, between: str) -> torch.Tensor:
             kept = zfunc.vjp(state, lambda m, x: m(x), x * 3)
         done = pullback(torch.ones_like(out))
         del out, pullback, kept
-        assert len(state.binding._pending) == 0  # freed with the graph
+        assert len(state.binding._watch) == 0  # freed with the graph
         return done.grads.clone()
     finally:
         gc.enable()

@@ -158,9 +158,8 @@ class ModuleBinding(Routing):
         self.gather_plan: GatherPlan | None = None  # stages 1-2 with units
         # The calls whose backward can still run (a `zfunc.autograd.buckets.Rebind` at stages 0-2, a
         # `UnitGatherer` at stage 3; each graph keeps its own), for a forward recomputed in
-        # backward (`_source`), with a weak reference each whose callback detaches the hooks
-        # once the last graph is gone; and what the recompute hooks swapped, per module.
-        self._pending: weakref.WeakSet[Any] = weakref.WeakSet()
+        # backward (`_source`): a weak reference each, whose callback detaches the hooks once the
+        # last graph is gone; and what the recompute hooks swapped, per module.
         self._watch: set[weakref.ref] = set()
         self._rebound: dict[tuple[int, int], list[list[tuple[torch.nn.Module, str, Any]]]] = {}  # by thread, module
         if stage == 3:
@@ -335,7 +334,7 @@ class ModuleBinding(Routing):
         whose graph lives, the one this backward entered through its outputs (the marker on their
         nodes notes the graph task on it, `zfunc.autograd.calls`), else the only one. Two are ambiguous: refused."""
         with self._users_lock:  # another thread may add a call meanwhile
-            live = list(self._pending)
+            live = [c for c in (ref() for ref in self._watch) if c is not None]
         task = graph_task()
         mine = [c for c in live if task in c.tasks] or live
         if len(mine) > 1:
@@ -525,7 +524,6 @@ class ModuleBinding(Routing):
         if torch.is_grad_enabled() and not _in_backward():
             me = weakref.ref(self)
             with self._users_lock:
-                self._pending.add(call)
                 self._watch.add(weakref.ref(call, lambda ref: me() is not None and me()._call_gone(ref)))
             # A backward reaching the call's outputs puts the recompute hooks on (`calls._entered`)
             call.on_backward = lambda: me() is not None and me().attach(_RECOMPUTE)

@@ -48,6 +48,7 @@ import torch
 from zfunc.distributed import comm
 from zfunc.distributed._vmap import VmapAsIs
 from zfunc.autograd.average import Average
+from zfunc.autograd.calls import at_backward_end
 from zfunc._probes import graph_task, hooks_active
 from zfunc.errors import refuse_create_graph
 from zfunc.distributed.layout import Layout, Slot
@@ -344,7 +345,7 @@ class _Reducer:
             # sink's accumulation (and its hooks, which the engine counts on) still runs
             return [torch.zeros((), dtype=out.dtype, device=out.device).expand(out.shape)]
         # Back to the pool once autograd has added it to the sink, at the end of this backward.
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: self.pool.give(out))
+        at_backward_end(lambda: self.pool.give(out))
         return [out]
 
 
@@ -483,8 +484,7 @@ class Rebind:
             made = self._made[task] = {}
             if task != -1:  # forgotten when that backward ends (they hold its nodes)
                 me = weakref.ref(self)
-                torch.autograd.Variable._execution_engine.queue_callback(
-                    lambda: me() is not None and me()._made.pop(task, None) and None)
+                at_backward_end(lambda: me() is not None and me()._made.pop(task, None) and None)
         out = {}
         for n in names:
             if n in self.frozen:

@@ -26,7 +26,7 @@ import torch
 from zfunc._tree import tree
 from zfunc._probes import graph_task, is_transformed
 
-__all__ = ["InFlight", "mark_outputs", "note_backwards", "tensors_in"]
+__all__ = ["InFlight", "at_backward_end", "mark_outputs", "note_backwards", "tensors_in"]
 
 
 class InFlight:
@@ -112,7 +112,23 @@ def _entered(call: Any, flight: InFlight, grad_outputs: Any) -> None:
     if on_backward is not None:
         on_backward()
     flight._enter_backward(task)
-    torch.autograd.Variable._execution_engine.queue_callback(_Left(flight, task))  # at its end, or when it fails
+    at_backward_end(_Left(flight, task))  # at its end, or when it fails (`_Left`)
+
+
+def at_backward_end(fn: Callable[[], Any]) -> None:
+    """Run ``fn`` when the backward running now ends, as autograd's final callback (in the thread
+    that ran the backward). A backward that raises drops its callbacks unrun.
+
+    Examples:
+        >>> import torch
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> seen = []
+        >>> y = (x * 2).sum()
+        >>> _ = y.grad_fn.register_prehook(lambda g: at_backward_end(lambda: seen.append(x.grad is not None)))
+        >>> y.backward(); seen
+        [True]
+    """
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
 class _Left:

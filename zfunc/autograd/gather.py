@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -148,12 +147,6 @@ class _UnitReducer:
         return out
 
 
-def _unit_done(gatherer: weakref.ref, i: int, _: torch.Tensor) -> None:
-    g = gatherer()
-    if g is not None:
-        g._done(i)
-
-
 class _GatherUnit(VmapAsIs, torch.autograd.Function):
     """A unit all-gathered in forward (or taken from its prefetch); its backward starts the unit's
     asynchronous reduce-scatter (`_UnitReducer`); the gradient reaches the sink through the
@@ -213,14 +206,6 @@ class UnitGatherer:
             self.reducer = _UnitReducer(self)
             self.hub = Collect.apply(self.reducer, *sinks)  # dropped after forward (the graph keeps it)
         self.depth = state.cfg.prefetch if self.reducer is not None and state.mesh.shard.size > 1 else 0
-        me = weakref.ref(self)
-        for i, sink in enumerate(sinks):
-            # The unit's backward is done when its gradient reaches the sink: drop the regathered
-            # copy then. (Deciding by graph order, never by object lifetimes, keeps every rank's
-            # collectives in the same order.) The hooks go with this call: sinks can outlive it
-            # (the engine's last for the whole run).
-            hook = sink.register_post_accumulate_grad_hook(functools.partial(_unit_done, me, i))
-            weakref.finalize(self, hook.remove)
 
     def _done(self, i: int) -> None:
         full = self.regathered.pop(i, None)
