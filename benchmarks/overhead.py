@@ -6,7 +6,9 @@ parameter tensors, 0.3M elements), each expert on its own slice of the tokens, a
 mixture-of-experts layer runs them: Python work per parameter shows, arithmetic does not.
 Each round times every contender once, in turn (``time.perf_counter``, one thread); the table
 gives the median over rounds and the ratio of medians to plain torch (forward, ``backward()``
-into ``.grad``, ``zero_grad(set_to_none=True)``).
+into ``.grad``, ``zero_grad(set_to_none=True)``). Objects alive after the warm-up are frozen
+(``gc.freeze``), so a full collection, which scans every object the process holds, does not
+land on one contender at random.
 
 Usage::
 
@@ -16,6 +18,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import gc
 import platform
 import statistics
 import time
@@ -82,6 +85,11 @@ def main() -> None:
     for fn in contenders.values():  # warm-up
         for _ in range(3):
             fn()
+    # What lives now (torch, numba, the model, the states) is moved out of the collector's view:
+    # a full collection scans it otherwise (~200 ms here), and it lands on whichever contender's
+    # call happens to trigger it. The young collections each call causes stay in its time.
+    gc.collect()
+    gc.freeze()
     times: dict[str, list[float]] = {k: [] for k in contenders}
     for _ in range(args.rounds):
         for name, fn in contenders.items():

@@ -104,12 +104,20 @@ def test_a_gradient_part_after_its_bucket_started_is_refused():
         assert "arrived after its bucket's reduce had started" in message and "use_reentrant=False" in message
 
 
-def _twice(rank: int, stage: int, ckpt: str) -> str:
-    """The model called twice in one loss, with checkpointed blocks: refused when recomputing."""
+def _twice(rank: int, stage: int, ckpt: str, chained: bool = False) -> str:
+    """The model called twice in one loss, with checkpointed blocks: refused when recomputing.
+    ``chained``: the second call on the first one's output, so backward recomputes the second
+    call's blocks before it reaches the first call at all."""
     state = zfunc.init(_model(ckpt), zfunc.Config(stage=stage))
     batch = (torch.randn(4, 8), torch.randn(4, 1))
+
+    def loss(m, b):
+        if chained:
+            return ((m(m(b[0]).expand(-1, 8)) - b[1]) ** 2).mean()
+        return _stack_loss(m, b) + _stack_loss(m, b)
+
     try:
-        zfunc.backward_step(state, lambda m, b: _stack_loss(m, b) + _stack_loss(m, b), batch)
+        zfunc.backward_step(state, loss, batch)
     except RuntimeError as e:
         return str(e)
     return "accepted"
@@ -119,6 +127,10 @@ def test_two_calls_pending_backward_are_refused_when_recomputing():
     for stage in (0, 1, 2, 3):
         for ckpt in ("reentrant", "non_reentrant"):
             for message in run_ranks(_twice, 2, stage, ckpt):
+                assert "2 forward calls of it through zfunc are differentiated by this backward" in message, message
+    for stage in (0, 3):  # the first recomputation finds one call; the second call is reached later
+        for ckpt in ("reentrant", "non_reentrant"):
+            for message in run_ranks(_twice, 2, stage, ckpt, True):
                 assert "2 forward calls of it through zfunc are differentiated by this backward" in message, message
 
 

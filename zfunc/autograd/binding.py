@@ -161,6 +161,7 @@ class ModuleBinding(Routing):
         # backward (`_source`): a weak reference each, whose callback detaches the hooks once the
         # last graph is gone; and what the recompute hooks swapped, per module.
         self._watch: set[weakref.ref] = set()
+        self._last_source: tuple[int, weakref.ref] | None = None  # (graph task, its call): `_source`
         self._rebound: dict[tuple[int, int], list[list[tuple[torch.nn.Module, str, Any]]]] = {}  # by thread, module
         if stage == 3:
             self._install_unit_hooks([(i, u.name, [s.name for s in u.slots]) for i, u in enumerate(layout.units)
@@ -182,7 +183,8 @@ class ModuleBinding(Routing):
         """
         me = threading.get_ident()
         with self._users_lock:
-            if any(t != me for t in self._users):
+            users = self._users
+            if users and (len(users) > 1 or me not in users):
                 raise RuntimeError(
                     f"{type(self.module).__name__} runs in a zfunc call in another thread now (a forward, or a "
                     "forward activation checkpointing recomputes in backward): a call puts its parameters in the "
@@ -199,8 +201,8 @@ class ModuleBinding(Routing):
             left = self._users.get(me, 0) - 1
             if left > 0:
                 self._users[me] = left
-            else:
-                self._users.pop(me, None)
+                return
+            self._users.pop(me, None)
         self._detach_if_idle()
 
     def attach(self, phase: int = _CALL) -> None:
@@ -231,6 +233,8 @@ class ModuleBinding(Routing):
     def _detach_if_idle(self) -> None:
         """Take the hooks off the module when no call runs and no call's graph lives (no
         backward can recompute a forward of it)."""
+        if self._users or self._watch:  # read without the lock: whoever empties them calls this again
+            return
         with self._users_lock:
             if self._users or self._watch or not self._attached:
                 return
@@ -292,12 +296,14 @@ class ModuleBinding(Routing):
         me, flight = weakref.ref(self), self.flight
 
         def pre(slots: list) -> Any:
+            names = [n for n, _, _ in slots]
+
             def hook(mod: torch.nn.Module, args: Any) -> None:
                 if flight.backwards == 0:  # a forward: nothing to do (and compiled blocks trace this)
                     return
                 b = me()
                 if b is not None:
-                    b._rebind_in(mod, slots)
+                    b._rebind_in(mod, slots, names)
             return hook
 
         def post(mod: torch.nn.Module, args: Any, out: Any) -> None:
@@ -311,31 +317,42 @@ class ModuleBinding(Routing):
             mod = slots[0][1]
             self._specs += [(mod, True, pre(slots), _RECOMPUTE), (mod, False, post, _RECOMPUTE)]
 
-    def _rebind_in(self, mod: torch.nn.Module, slots: list[tuple[str, torch.nn.Module, str]]) -> bool:
+    def _rebind_in(self, mod: torch.nn.Module, slots: list[tuple[str, torch.nn.Module, str]],
+                   names: list[str] | None = None) -> bool:
         """In a forward recomputed during backward: put the parameters of the call whose backward
         this is in place (`_source`: found from the graph)."""
-        if self.flight.current() is not None or not _in_backward():
+        if self.flight.current() is not None:
             return False
-        source = self._source()
+        task = graph_task()
+        if task == -1:
+            return False
+        source = self._source(task)
         if source is None:
             return False
         self.occupy()
         try:
-            views = source.views([n for n, _, _ in slots])
+            views = source.views(names if names is not None else [n for n, _, _ in slots])
             self._rebound.setdefault((threading.get_ident(), id(mod)), []).append(
-                swap_in((owner._parameters, attr, views[n]) for n, owner, attr in slots))
+                swap_in([(owner._parameters, attr, views[n]) for n, owner, attr in slots]))
         except BaseException:
             self.release()
             raise
         return True
 
-    def _source(self) -> Any:
+    def _source(self, task: int | None = None) -> Any:
         """The call whose backward is running now, for a forward recomputed in it: among the calls
         whose graph lives, the one this backward entered through its outputs (the marker on their
-        nodes notes the graph task on it, `zfunc.autograd.calls`), else the only one. Two are ambiguous: refused."""
+        nodes notes the graph task on it, `zfunc.autograd.calls`), else the only one. Two are
+        ambiguous: refused. Kept for the backward's next recomputed module (a graph task's id is
+        never reused)."""
+        task = graph_task() if task is None else task
+        last = self._last_source
+        if last is not None and last[0] == task:
+            found = last[1]()
+            if found is not None:
+                return found
         with self._users_lock:  # another thread may add a call meanwhile
             live = [c for c in (ref() for ref in self._watch) if c is not None]
-        task = graph_task()
         mine = [c for c in live if task in c.tasks] or live
         if len(mine) > 1:
             raise RuntimeError(
@@ -345,7 +362,10 @@ class ModuleBinding(Routing):
                 "gradients the recomputation belongs to (a state and its copy.deepcopy share the module, so "
                 "their calls count as two calls of it). Run each call's backward on its own, or leave "
                 "checkpointing out of a model called more than once per backward")
-        return mine[0] if mine else None
+        if not mine:
+            return None
+        self._last_source = (task, weakref.ref(mine[0]))
+        return mine[0]
 
     def _rebind_out(self, mod: torch.nn.Module) -> None:
         stack = self._rebound.get((threading.get_ident(), id(mod)))
@@ -525,8 +545,15 @@ class ModuleBinding(Routing):
             me = weakref.ref(self)
             with self._users_lock:
                 self._watch.add(weakref.ref(call, lambda ref: me() is not None and me()._call_gone(ref)))
+                self._last_source = None
             # A backward reaching the call's outputs puts the recompute hooks on (`calls._entered`)
-            call.on_backward = lambda: me() is not None and me().attach(_RECOMPUTE)
+            call.on_backward = lambda: me() is not None and me()._reached()
+
+    def _reached(self) -> None:
+        """A backward reached a call's outputs: the recompute hooks go on, and which call a
+        recomputation belongs to is found afresh (`_source`)."""
+        self._last_source = None
+        self.attach(_RECOMPUTE)
 
 
 def _rebuilt(module: torch.nn.Module, layout: Layout, stage: int,
