@@ -9,13 +9,12 @@ instead).
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from zfunc.autograd.average import Average
-from zfunc.autograd.buckets import Bucket, Rebind, _bucket_taps, _flat_if_free, _keep, _shaped
-from zfunc.distributed._vmap import VmapAsIs
+from zfunc.autograd.buckets import Bucket, Collect, Rebind, _bucket_taps, _flat_if_free, _keep, _shaped
 from zfunc.distributed.widen import add_into
 
 if TYPE_CHECKING:
@@ -24,21 +23,18 @@ if TYPE_CHECKING:
 __all__ = ["local_views"]
 
 
-class _Sink(VmapAsIs, torch.autograd.Function):
-    """The node every `local_views` tap feeds (``hub = _Sink.apply(sink)``): the gradients are in the
-    accumulator already, so it hands the sink a zero that holds no memory (its hooks still run)."""
+class _InPlace:
+    """The collector's reducer for `local_views` (``hub = Collect.apply(_InPlace(sink), sink)``):
+    the gradients are in the accumulator already, so the collector hands the sink a zero that
+    holds no memory (its hooks still run)."""
 
-    @staticmethod
-    def forward(sink: torch.Tensor) -> torch.Tensor:
-        return torch.zeros((), dtype=torch.float32, device=sink.device)
+    __slots__ = ("shape", "dtype", "device")
 
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        ctx.shape, ctx.dtype = inputs[0].shape, inputs[0].dtype
+    def __init__(self, sink: torch.Tensor):
+        self.shape, self.dtype, self.device = sink.shape, sink.dtype, sink.device
 
-    @staticmethod
-    def backward(ctx: Any, _: torch.Tensor) -> torch.Tensor:
-        return torch.zeros((), dtype=ctx.dtype, device=_.device).expand(ctx.shape)
+    def finish(self) -> list[torch.Tensor]:
+        return [torch.zeros((), dtype=self.dtype, device=self.device).expand(self.shape)]
 
 
 class _AddLocal:
@@ -110,7 +106,7 @@ def local_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, ..
     (unit,) = state.layout.units
     add = _AddLocal(sink, avg)
     compute = state.compute
-    hub = _Sink.apply(sink)
+    hub = Collect.apply(_InPlace(sink), sink)
     by_bucket = [[(s.offset, s) for s in b.slots] for b in buckets]
     rebind = _keep(hub, Rebind(compute, by_bucket, add))
     return _bucket_taps(hub, compute, add, by_bucket), rebind
