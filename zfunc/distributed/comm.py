@@ -1,8 +1,9 @@
 """Collectives as explicit ops: new tensors out, inputs untouched, string reduce ops.
 
-A `Group` names the ranks of a ``torch.distributed`` process group (gloo on CPU, NCCL on GPU).
-A world of one needs no process group: every collective is then the identity, so doctests and
-single-process runs work without ``torch.distributed`` initialised.
+Each runs over a `Group` (`zfunc.distributed.group`: the ranks of a ``torch.distributed``
+process group, gloo on CPU, NCCL on GPU). A world of one needs no process group: every
+collective is then the identity, so doctests and single-process runs work without
+``torch.distributed`` initialised.
 
 The differentiable `unit_params` is the whole of ZeRO in autograd: a unit's full parameters in
 forward (all-gathered at stage 3), its gradient delivered to a *sink* in backward (the transpose
@@ -12,8 +13,6 @@ is started (``torch.autograd.grad``, ``loss.backward()``, ``out.backward(g)``).
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from zfunc.distributed._vmap import VmapAsIs
+from zfunc.distributed.group import Group, init_from_env, world  # noqa: F401 (zfunc.comm.init_from_env too)
 from zfunc.distributed.pool import Pool, buffer
 from zfunc.errors import refuse_create_graph
 from zfunc.distributed.widen import widened
@@ -62,88 +62,6 @@ def _all_gather_flat(out: torch.Tensor, x: torch.Tensor, group: Any = None, asyn
 
 
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Group:
-    """The ranks a collective runs over.
-
-    ``pg=None`` with ``size == 1`` is a world of one (no process group needed);
-    ``pg=None`` with ``size > 1`` means the default process group. ``p2p``: a second gloo
-    process group over the same ranks that carries zfunc's point-to-point sums (`reduce_`,
-    `reduce_scatter`); `zfunc.distributed.mesh.make_mesh` gives the groups ZeRO reduces over one. Their
-    messages stay off ``pg``, so its collectives keep the same sequence on every rank, which
-    ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` checks. Without it (None) they are the backend's own.
-
-    Examples:
-        >>> import zfunc
-        >>> g = zfunc.comm.world()
-        >>> g.rank, g.size
-        (0, 1)
-    """
-
-    rank: int
-    size: int
-    pg: Any = None
-    p2p: Any = None
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Group:
-        return self  # it names process groups: a copied state talks over the same ones
-
-    @classmethod
-    def of_ranks(cls, ranks: list[int]) -> Group:
-        """A new process group over ``ranks`` of the default world (call on every rank).
-
-        On a rank outside ``ranks`` the result has ``rank == -1`` and must not be used.
-        """
-        ranks = sorted(ranks)
-        if not (dist.is_available() and dist.is_initialized()):
-            if ranks != [0]:
-                raise ValueError(f"ranks {ranks}: no process group is initialised, only [0] exists")
-            return cls(rank=0, size=1, pg=None)
-        pg = dist.new_group(ranks)
-        me = dist.get_rank()
-        return cls(rank=ranks.index(me) if me in ranks else -1, size=len(ranks), pg=pg)
-
-    @property
-    def process_group(self) -> Any:
-        """The ``torch.distributed`` group to pass to collectives (None: the default group)."""
-        return self.pg
-
-    def __repr__(self) -> str:
-        return f"Group(rank={self.rank}, size={self.size})"
-
-
-def init_from_env(backend: str | None = None, timeout: Any = None, init_method: str | None = None) -> bool:
-    """Initialise the default process group from torchrun's variables if they are set
-    (``timeout``: a ``datetime.timedelta``, torch's default when ``None``).
-
-    Returns whether a process group is initialised afterwards. Never initialises twice.
-    """
-    if dist.is_available() and dist.is_initialized():
-        return True
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        extra = {k: v for k, v in (("timeout", timeout), ("init_method", init_method)) if v is not None}
-        dist.init_process_group(backend=backend, **extra)
-        return True
-    return False
-
-
-def world() -> Group:
-    """The group of all ranks: the default process group if initialised, else a world of one.
-
-    Under ``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment) the default group is
-    initialised from the environment first.
-
-    Examples:
-        >>> import zfunc
-        >>> zfunc.comm.world().size
-        1
-    """
-    if init_from_env():
-        return Group(rank=dist.get_rank(), size=dist.get_world_size(), pg=None)
-    return Group(rank=0, size=1, pg=None)
 
 
 def _op(op: str) -> Any:
