@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["graph_task", "in_backward", "in_transform", "hooks_active", "plain", "transforms_active",
-           "is_transformed", "unwrap_dead", "sole_owner", "tensors_over"]
+__all__ = ["graph_task", "in_backward", "in_transform", "hooks_active", "plain", "is_transformed",
+           "unwrap_dead", "sole_owner", "tensors_over"]
 
 
 def in_backward() -> bool:
@@ -21,9 +21,10 @@ def in_backward() -> bool:
 
 
 def in_transform() -> bool:
-    """Whether a ``torch.func`` transform (grad, vjp, vmap) is running: a read-only query of
-    functorch's interpreter stack; no public equivalent."""
-    return torch._C._functorch.maybe_current_level() is not None
+    """Whether a ``torch.func`` transform (grad, vjp, vmap, functionalize) is running: functorch's
+    interpreter stack is not empty (torch's own test in ``Function.apply``); no public
+    equivalent."""
+    return torch._C._are_functorch_transforms_active()
 
 
 def graph_task() -> int:
@@ -43,11 +44,6 @@ def plain() -> Any:
     ``grad`` around the model): the collectives' buffers are the state's, never the transform's.
     A functorch switch; no public equivalent."""
     return torch._C._DisableFuncTorch()
-
-
-def transforms_active() -> bool:
-    """Whether any ``torch.func`` transform is active (torch's own test in ``Function.apply``)."""
-    return torch._C._are_functorch_transforms_active()
 
 
 def is_transformed(t: torch.Tensor) -> bool:

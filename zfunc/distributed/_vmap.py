@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from zfunc._probes import transforms_active, unwrap_dead
+from zfunc._probes import in_transform, unwrap_dead
 
 __all__ = ["VmapAsIs"]
 
@@ -43,7 +43,7 @@ class VmapAsIs:
         the rest of the call). zfunc's Functions take every argument positionally, with no
         defaults, so there is nothing to bind; under a ``torch.func`` transform torch's own
         path runs."""
-        if transforms_active():
+        if in_transform():
             return super().apply(*args)
         return super(torch.autograd.Function, cls).apply(*unwrap_dead(args))
 
