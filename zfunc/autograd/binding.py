@@ -152,6 +152,7 @@ class ModuleBinding(Routing):
         # (placeholders that refuse to compute), so the enclosing functional_call restores them.
         self.unit_params: dict[str, torch.Tensor] = {}
         self._buckets: tuple[Bucket, ...] | None = None
+        self.tap_plans: dict[str, Any] = {}  # `zfunc.autograd.buckets.tap_plan`, by path
         # Large buffers kept between steps on the CPU (`zfunc.distributed.pool`): the gradient
         # accumulator, the bucket reduces' staging buffers and results.
         self.pool = Pool()
@@ -171,6 +172,9 @@ class ModuleBinding(Routing):
             self._install_unit_hooks([(i, name, names) for i, (name, names) in enumerate(units)])
         self._install_recompute_hooks()
         self._call_handles.extend([None] * len(self._specs))
+        self._phases: dict[int, list[int]] = {}  # phase -> its hooks' places in `_specs`
+        for k, spec in enumerate(self._specs):
+            self._phases.setdefault(spec[3], []).append(k)
 
     def occupy(self) -> None:
         """This thread starts running the module for a zfunc call (nested calls in one thread
@@ -214,9 +218,8 @@ class ModuleBinding(Routing):
             if phase in self._attached or self._removed:
                 return
             self._attached.add(phase)
-            for k, (mod, is_pre, hook, when) in enumerate(self._specs):
-                if when != phase:
-                    continue
+            for k in self._phases.get(phase, ()):
+                mod, is_pre, hook, _ = self._specs[k]
                 handle = self._call_handles[k]
                 if handle is None:  # the first time: registered as torch does
                     self._call_handles[k] = (mod.register_forward_pre_hook(hook, prepend=True) if is_pre
@@ -238,10 +241,12 @@ class ModuleBinding(Routing):
         with self._users_lock:
             if self._users or self._watch or not self._attached:
                 return
+            for phase in self._attached:
+                for k in self._phases.get(phase, ()):
+                    handle = self._call_handles[k]
+                    if handle is not None:
+                        handle.remove()
             self._attached.clear()
-            for handle in self._call_handles:
-                if handle is not None:
-                    handle.remove()
 
     def _call_gone(self, ref: weakref.ref) -> None:
         with self._users_lock:

@@ -41,6 +41,7 @@ import functools
 import itertools
 import operator
 import weakref
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -58,7 +59,7 @@ from zfunc.distributed.widen import add_into, copy_into
 if TYPE_CHECKING:
     from zfunc.core.state import TrainState
 
-__all__ = ["Bucket", "Fold", "Rebind", "plan_buckets", "bucket_views", "reduce_group"]
+__all__ = ["Bucket", "Fold", "Rebind", "TapPlan", "plan_buckets", "bucket_views", "reduce_group", "tap_plan"]
 
 _IN_FLIGHT = 4  # reductions running at once (bounds the memory of non-owned bucket copies)
 
@@ -154,7 +155,7 @@ class _Reducer:
     once all its parameters are in, in bucket order; the collector waits for them all."""
 
     def __init__(self, state: TrainState, buckets: tuple[Bucket, ...], pool: Pool, sink: torch.Tensor,
-                 fold: Fold | None, avg: Average):
+                 fold: Fold | None, avg: Average, plan: TapPlan):
         self.buckets, self.state, self.pool, self.sink, self.fold = buckets, state, pool, sink, fold
         self.avg = avg  # the data-parallel mean, applied as each gradient is put in place
         self.group = reduce_group(state)
@@ -164,15 +165,14 @@ class _Reducer:
         # (`Config.shards_grads`) or the full local gradient (a fold).
         self.shard = unit.shard if fold is None else 0
         # Each parameter's tap key: its place in this list (offsets are not unique: a parameter
-        # of no elements shares its offset with the next).
-        self.slots = [(k, s) for k, b in enumerate(buckets) for s in b.slots]
+        # of no elements shares its offset with the next), as `tap_plan` numbers them.
+        self.slots = [(k, s) for k, b in enumerate(plan.buckets) for _, s in b]
+        self.keys = plan.keys
         self._reset()
 
     def _reset(self) -> None:
         n = len(self.buckets)
-        self.missing: list[set[int]] = [set() for _ in self.buckets]  # tap keys not arrived yet
-        for j, (k, _) in enumerate(self.slots):
-            self.missing[k].add(j)
+        self.missing: list[set[int]] = [set(keys) for keys in self.keys]  # tap keys not arrived yet
         self.opened = [False] * n
         self.folds = [False] * n  # the bucket's gradient goes into the accumulator, reduced there
         self.staged: list[torch.Tensor | None] = [None] * n  # else it is gathered here first
@@ -410,18 +410,18 @@ class _Taps(VmapAsIs, torch.autograd.Function):
         return torch.zeros((), dtype=torch.float32, device=ctx.device), None, None, None, None
 
 
-def _bucket_taps(hub: torch.Tensor, compute: torch.Tensor, take: Any,
-                 buckets: list[list[tuple[Any, Slot]]]) -> dict[str, torch.Tensor]:
-    """Every parameter of ``buckets`` (each a list of ``(key, slot)``) as a view of ``compute``
-    whose gradient reaches ``take(key, grad)``, one `_Taps` node per bucket."""
+def _bucket_taps(hub: torch.Tensor, compute: torch.Tensor, take: Any, plan: TapPlan,
+                 which: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
+    """Every parameter of ``plan``'s buckets (``which`` of them, else all) as a view of
+    ``compute`` whose gradient reaches ``take(key, grad)``, one `_Taps` node per bucket."""
     views = {}
     base = compute.storage_offset()
-    for bucket in buckets:
-        keys = tuple(key for key, _ in bucket)
-        places = tuple((base + offset, shape, stride)
-                       for offset, shape, stride in _places(tuple(s for _, s in bucket)))
-        outs = _Taps.apply(hub, compute, take, keys, places)
-        views.update({s.name: t for (_, s), t in zip(bucket, outs)})
+    for k in range(len(plan.buckets)) if which is None else which:
+        places = plan.places[k]
+        if base:
+            places = tuple((base + offset, shape, stride) for offset, shape, stride in places)
+        outs = _Taps.apply(hub, compute, take, plan.keys[k], places)
+        views.update(zip([s.name for _, s in plan.buckets[k]], outs))
     return views
 
 
@@ -437,6 +437,49 @@ def _places(slots: tuple[Slot, ...]) -> tuple[tuple[int, tuple[int, ...], tuple[
         out.append((s.offset, s.shape, tuple(reversed(strides))))
     return tuple(out)
 
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TapPlan:
+    """Buckets of ``(key, slot)`` laid out for their taps once, not per call: each bucket's keys
+    and ``(offset, shape, stride)`` places (in the buffer), and each parameter's bucket and
+    ``(key, slot)`` by name. A binding keeps one per path (`tap_plan`).
+
+    Examples:
+        >>> from zfunc.distributed.layout import Slot
+        >>> plan = TapPlan.of([[(0, Slot("w", (2, 2), 0)), (1, Slot("b", (2,), 4))]])
+        >>> plan.keys, plan.places, plan.bucket_of["b"]
+        (((0, 1),), (((0, (2, 2), (2, 1)), (4, (2,), (1,))),), 0)
+    """
+
+    buckets: tuple[tuple[tuple[Any, Slot], ...], ...]
+    keys: tuple[tuple[Any, ...], ...]
+    places: tuple[tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...], ...]
+    bucket_of: dict[str, int]
+    slot_of: dict[str, tuple[Any, Slot]]
+
+    @classmethod
+    def of(cls, buckets: Sequence[Sequence[tuple[Any, Slot]]]) -> TapPlan:
+        buckets = tuple(tuple(b) for b in buckets)
+        return cls(buckets=buckets, keys=tuple(tuple(key for key, _ in b) for b in buckets),
+                   places=tuple(_places(tuple(s for _, s in b)) for b in buckets),
+                   bucket_of={s.name: k for k, b in enumerate(buckets) for _, s in b},
+                   slot_of={s.name: (key, s) for b in buckets for key, s in b})
+
+
+def tap_plan(binding: Any, path: str, buckets: tuple[Bucket, ...]) -> TapPlan:
+    """The binding's `TapPlan` of ``buckets`` for ``path``: ``"local"`` (keyed by offset,
+    `zfunc.autograd.local`) or ``"reduce"`` (keyed by place in the reducer's list, `_Reducer`),
+    made on first use."""
+    plan = binding.tap_plans.get(path)
+    if plan is None:
+        if path == "local":
+            plan = TapPlan.of([[(s.offset, s) for s in b.slots] for b in buckets])
+        else:
+            keyed = iter(range(sum(len(b.slots) for b in buckets)))
+            plan = TapPlan.of([[(next(keyed), s) for s in b.slots] for b in buckets])
+        binding.tap_plans[path] = plan
+    return plan
 
 class Rebind:
     """A forward call's parameters again, for a forward that autograd recomputes during backward
@@ -455,16 +498,14 @@ class Rebind:
         >>> import torch
         >>> from zfunc.distributed.layout import Slot
         >>> got = []
-        >>> rb = Rebind(torch.arange(4.0), [[(0, Slot("w", (2, 2), 0))]], lambda k, g: got.append(g))
+        >>> rb = Rebind(torch.arange(4.0), TapPlan.of([[(0, Slot("w", (2, 2), 0))]]), lambda k, g: got.append(g))
         >>> w = rb.views(["w"])["w"]
         >>> (w * 3).sum().backward(); w.tolist(), got[0].tolist()
         ([[0.0, 1.0], [2.0, 3.0]], [[3.0, 3.0], [3.0, 3.0]])
     """
 
-    def __init__(self, compute: torch.Tensor, buckets: list[list[tuple[Any, Slot]]], take: Any):
-        self.compute, self.buckets, self.take = compute, buckets, take
-        self.bucket_of = {s.name: k for k, bucket in enumerate(buckets) for _, s in bucket}
-        self.slot_of = {s.name: (key, s) for bucket in buckets for key, s in bucket}
+    def __init__(self, compute: torch.Tensor, plan: TapPlan, take: Any):
+        self.compute, self.plan, self.take = compute, plan, take
         self.frozen: dict[str, torch.Tensor] = {}  # the call's frozen parameters, by name
         self.anchor: torch.Tensor | None = None
         self.tasks: set[int] = set()  # the backwards that differentiate this call (`zfunc._probes.graph_task`)
@@ -476,7 +517,8 @@ class Rebind:
             self.anchor = torch.zeros((), dtype=torch.float32, device=self.compute.device, requires_grad=True)
         if not hooks_active():  # reentrant checkpointing: each segment's own backward, a node of its own
             trained = [n for n in dict.fromkeys(names) if n not in self.frozen]
-            out = _bucket_taps(self.anchor, self.compute, self.take, [[self.slot_of[n] for n in trained]])
+            mine = TapPlan.of([[self.plan.slot_of[n] for n in trained]])
+            out = _bucket_taps(self.anchor, self.compute, self.take, mine)
             return {n: self.frozen[n] if n in self.frozen else out[n] for n in names}
         task = graph_task()
         made = self._made.get(task)
@@ -491,7 +533,7 @@ class Rebind:
                 out[n] = self.frozen[n]
                 continue
             if n not in made:
-                made.update(_bucket_taps(self.anchor, self.compute, self.take, [self.buckets[self.bucket_of[n]]]))
+                made.update(_bucket_taps(self.anchor, self.compute, self.take, self.plan, [self.plan.bucket_of[n]]))
             out[n] = made[n]
         return out
 
@@ -502,14 +544,12 @@ def bucket_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, .
     (reduced into the full local accumulator with ``fold``, else reduce-scattered), each
     multiplied by ``avg.factor`` as it is put in place. Each parameter is its own tap: no
     bucket-sized gradient is concatenated in backward. Also the call's `Rebind`."""
-    reducer = _Reducer(state, buckets, pool, sink, fold, avg)
+    plan = tap_plan(state.binding, "reduce", buckets)
+    reducer = _Reducer(state, buckets, pool, sink, fold, avg, plan)
     hub = Collect.apply(reducer, sink)
     compute = state.compute  # at stages 1-2 with units, each piece read after forward gathered it (zfunc.autograd.forward_gather)
-    by_bucket: list[list[tuple[Any, Slot]]] = [[] for _ in buckets]
-    for j, (k, s) in enumerate(reducer.slots):
-        by_bucket[k].append((j, s))
-    rebind = _keep(hub, Rebind(compute, by_bucket, reducer.take))
-    return _bucket_taps(hub, compute, reducer.take, by_bucket), rebind
+    rebind = _keep(hub, Rebind(compute, plan, reducer.take))
+    return _bucket_taps(hub, compute, reducer.take, plan), rebind
 
 
 def _keep(hub: torch.Tensor, rebind: Rebind) -> Rebind:

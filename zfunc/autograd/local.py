@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zfunc.autograd.average import Average
-from zfunc.autograd.buckets import Bucket, Collect, Rebind, _bucket_taps, _flat_if_free, _keep, _shaped
+from zfunc.autograd.buckets import Bucket, Collect, Rebind, _bucket_taps, _flat_if_free, _keep, _shaped, tap_plan
 from zfunc.distributed.widen import add_into
 
 if TYPE_CHECKING:
@@ -107,6 +107,6 @@ def local_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, ..
     add = _AddLocal(sink, avg)
     compute = state.compute
     hub = Collect.apply(_InPlace(sink), sink)
-    by_bucket = [[(s.offset, s) for s in b.slots] for b in buckets]
-    rebind = _keep(hub, Rebind(compute, by_bucket, add))
-    return _bucket_taps(hub, compute, add, by_bucket), rebind
+    plan = tap_plan(state.binding, "local", buckets)
+    rebind = _keep(hub, Rebind(compute, plan, add))
+    return _bucket_taps(hub, compute, add, plan), rebind
