@@ -50,7 +50,7 @@ from zfunc.distributed import comm
 from zfunc.distributed._vmap import VmapAsIs
 from zfunc.autograd.average import Average
 from zfunc.autograd.calls import at_backward_end
-from zfunc._probes import graph_task, hooks_active
+from zfunc._probes import graph_task
 from zfunc.errors import refuse_create_graph
 from zfunc.distributed.layout import Layout, Slot
 from zfunc.distributed.pool import Pool
@@ -439,6 +439,9 @@ def _places(slots: tuple[Slot, ...]) -> tuple[tuple[int, tuple[int, ...], tuple[
 
 
 
+_PART = 32  # parameters per recomputed taps node (`TapPlan.parts`)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class TapPlan:
     """Buckets of ``(key, slot)`` laid out for their taps once, not per call: each bucket's keys
@@ -457,6 +460,15 @@ class TapPlan:
     places: tuple[tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...], ...]
     bucket_of: dict[str, int]
     slot_of: dict[str, tuple[Any, Slot]]
+    _parts: list[TapPlan] = dataclasses.field(default_factory=list, repr=False)
+
+    def parts(self) -> TapPlan:
+        """The same taps in groups of at most `_PART` parameters (a recomputed forward's: under
+        reentrant checkpointing each segment's backward runs the nodes of its parameters, and a
+        node's backward costs by its width), made once."""
+        if not self._parts:
+            self._parts.append(TapPlan.of([b[i:i + _PART] for b in self.buckets for i in range(0, len(b), _PART)]))
+        return self._parts[0]
 
     @classmethod
     def of(cls, buckets: Sequence[Sequence[tuple[Any, Slot]]]) -> TapPlan:
@@ -484,15 +496,14 @@ def tap_plan(binding: Any, path: str, buckets: tuple[Bucket, ...]) -> TapPlan:
 class Rebind:
     """A forward call's parameters again, for a forward that autograd recomputes during backward
     (activation checkpointing runs the module outside zfunc's call): taps of the same compute
-    buffer handing their gradients to the same ``take``. Recomputed under the saved-tensor hooks
-    of non-reentrant checkpointing (only the values matter there: the call's own graph carries
-    the gradients), one `_Taps` node per bucket and backward, made when a recomputed module first
-    asks for one of its parameters and shared by every module recomputed in that backward;
-    recomputed for reentrant checkpointing (each segment differentiated in a backward of its
-    own), one node per module call. Either way hanging off a leaf of their own rather
-    than the collector, so a recomputation's own backward (reentrant checkpointing) delivers its
-    gradients without running the collector early. The call's graph keeps it alive, and nothing
-    else: it exists exactly while the call's backward can still run.
+    buffer handing their gradients to the same ``take``, one `_Taps` node per bucket and
+    backward, made when a recomputed module first asks for one of its parameters and shared by
+    every module recomputed in that backward. Under non-reentrant checkpointing only their values
+    matter (the call's own graph carries the gradients); under reentrant checkpointing each
+    segment's own backward runs the shared node, with gradients for that segment's parameters
+    only. The nodes hang off a leaf of their own rather than the collector, so a recomputation's
+    own backward delivers its gradients without running the collector early. The call's graph
+    keeps it alive, and nothing else: it exists exactly while the call's backward can still run.
 
     Examples:
         >>> import torch
@@ -505,7 +516,7 @@ class Rebind:
     """
 
     def __init__(self, compute: torch.Tensor, plan: TapPlan, take: Any):
-        self.compute, self.plan, self.take = compute, plan, take
+        self.compute, self.plan, self.take = compute, plan.parts(), take
         self.frozen: dict[str, torch.Tensor] = {}  # the call's frozen parameters, by name
         self.anchor: torch.Tensor | None = None
         self.tasks: set[int] = set()  # the backwards that differentiate this call (`zfunc._probes.graph_task`)
@@ -515,11 +526,6 @@ class Rebind:
         """Parameters ``names`` (trained or frozen) as the call had them."""
         if self.anchor is None:
             self.anchor = torch.zeros((), dtype=torch.float32, device=self.compute.device, requires_grad=True)
-        if not hooks_active():  # reentrant checkpointing: each segment's own backward, a node of its own
-            trained = [n for n in dict.fromkeys(names) if n not in self.frozen]
-            mine = TapPlan.of([[self.plan.slot_of[n] for n in trained]])
-            out = _bucket_taps(self.anchor, self.compute, self.take, mine)
-            return {n: self.frozen[n] if n in self.frozen else out[n] for n in names}
         task = graph_task()
         made = self._made.get(task)
         if made is None:

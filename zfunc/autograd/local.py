@@ -8,6 +8,7 @@ instead).
 
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import TYPE_CHECKING
 
@@ -67,10 +68,13 @@ class _AddLocal:
 
     def many(self, keys: tuple, grads: tuple) -> None:
         acc, factor = self.sink.grad, self.avg.factor
+        arrived = list(map(operator.is_not, grads, itertools.repeat(None)))
+        if not all(arrived):  # not reached in this graph (a reentrant segment's backward: most)
+            keys, grads = itertools.compress(keys, arrived), itertools.compress(grads, arrived)
         batch = []
         for key, grad in zip(keys, grads):
-            if grad is None or grad.numel() == 0:  # not reached in this graph (a reentrant segment's
-                continue  # backward: most), or empty (at the offset of the parameter after it)
+            if grad.numel() == 0:  # empty: at the offset of the parameter after it
+                continue
             if grad.dtype == acc.dtype and grad.is_contiguous():
                 batch.append((key, grad))
             else:  # another dtype (the widening kernel), or strided (written in one pass as it is)
