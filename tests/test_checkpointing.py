@@ -51,6 +51,54 @@ def test_checkpointed_training_is_the_plain_one(world):
                             assert max((x - y).abs().max().item() for x, y in zip(a, b)) < 1e-6, where
 
 
+class _Scaled(torch.nn.Module):
+    """A block whose scale lives in an ``nn.ParameterList``: a module with no forward of its own,
+    whose parameter the block's forward reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.scale = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(8))])
+
+    def forward(self, h):
+        return torch.tanh(self.lin(h) * self.scale[0])
+
+
+class _ScaledStack(torch.nn.Module):
+    def __init__(self, ckpt: str | None):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 8)
+        self.blocks = torch.nn.ModuleList(_Scaled() for _ in range(2))
+        self.ckpt = ckpt
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x) if self.ckpt is None else torch.utils.checkpoint.checkpoint(
+                b, x, use_reentrant=self.ckpt == "reentrant")
+        return x.square().mean()
+
+
+def _scaled(rank: int, ckpt: str | None, stage: int) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    state = zfunc.init(_ScaledStack(ckpt), zfunc.Config(stage=stage, optimizer=zfunc.adamw(lr=1e-2)))
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        state, _ = zfunc.backward_step(state, lambda m, x: m(x), torch.randn(4, 8, generator=g), donate=True)
+        state = zfunc.apply_step(state, donate=True)
+    return list(zfunc.full_params(state).values())
+
+
+def test_a_parameter_a_parent_reads_is_recomputed_on_the_call():
+    """A parameter held by a module that is never called (``nn.ParameterList``) is read by its
+    parent's forward: the recomputation binds it there, and training is the plain one."""
+    for stage in (0, 2):
+        plain = run_ranks(_scaled, 2, None, stage)
+        for ckpt in ("reentrant", "non_reentrant"):
+            for a, b in zip(plain, run_ranks(_scaled, 2, ckpt, stage)):
+                assert max((x - y).abs().max().item() for x, y in zip(a, b)) < 1e-6, (stage, ckpt)
+
+
 def _engine(rank: int, ckpt: str | None, stage: int) -> list[torch.Tensor]:
     model = _model(ckpt)
     ds = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,

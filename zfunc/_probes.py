@@ -21,9 +21,8 @@ def in_backward() -> bool:
 
 
 def in_transform() -> bool:
-    """Whether a ``torch.func`` transform (grad, vjp, vmap, functionalize) is running: functorch's
-    interpreter stack is not empty (torch's own test in ``Function.apply``); no public
-    equivalent."""
+    """Whether a ``torch.func`` transform (grad, vjp, vmap, functionalize) is running (torch's own
+    test in ``Function.apply``); no public equivalent."""
     return torch._C._are_functorch_transforms_active()
 
 

@@ -163,6 +163,7 @@ class ModuleBinding(Routing):
         # last graph is gone; and what the recompute hooks swapped, per module.
         self._watch: set[weakref.ref] = set()
         self._last_source: tuple[int, weakref.ref] | None = None  # (graph task, its call): `_source`
+        self._generation = 0  # counts what can change `_source`'s answer (a call added, a backward reaching one)
         self._rebound: dict[tuple[int, int], list[list[tuple[torch.nn.Module, str, Any]]]] = {}  # by thread, module
         if stage == 3:
             self._install_unit_hooks([(i, u.name, [s.name for s in u.slots]) for i, u in enumerate(layout.units)
@@ -291,13 +292,25 @@ class ModuleBinding(Routing):
         return out
 
     def _install_recompute_hooks(self) -> None:
-        """Hooks on each module holding parameters outside the units: when autograd recomputes a
-        forward during backward (activation checkpointing), outside zfunc's call, the module runs
-        on the latest call's parameters (`_rebind_in`), not on the module's own."""
+        """Hooks on each module whose forward reads parameters outside the units: when autograd
+        recomputes a forward during backward (activation checkpointing), outside zfunc's call,
+        the module runs on the latest call's parameters (`_rebind_in`), not on the module's own.
+        A parameter is read by the forward of the module holding it, or, when that module has no
+        forward (``nn.ParameterList``, ``nn.ParameterDict``), by its nearest ancestor's."""
         outside = [n for n, _ in self.module.named_parameters() if n not in self.unit_params]
+        modules = dict(self.module.named_modules(remove_duplicate=False))
+        path_of: dict[int, str] = {}
+        for path, mod in modules.items():
+            path_of.setdefault(id(mod), path)
         owners: dict[int, list[tuple[str, torch.nn.Module, str]]] = {}
+        reader: dict[int, torch.nn.Module] = {}
         for slot in self._slots(outside):
-            owners.setdefault(id(slot[1]), []).append(slot)
+            path, mod = path_of[id(slot[1])], slot[1]
+            while path and type(mod).forward is torch.nn.Module.forward:  # never called: its parent reads it
+                path = path.rpartition(".")[0]
+                mod = modules[path]
+            owners.setdefault(id(mod), []).append(slot)
+            reader[id(mod)] = mod
         me, flight = weakref.ref(self), self.flight
 
         def pre(slots: list) -> Any:
@@ -318,8 +331,8 @@ class ModuleBinding(Routing):
             if b is not None:
                 b._rebind_out(mod)
 
-        for slots in owners.values():
-            mod = slots[0][1]
+        for key, slots in owners.items():
+            mod = reader[key]
             self._specs += [(mod, True, pre(slots), _RECOMPUTE), (mod, False, post, _RECOMPUTE)]
 
     def _rebind_in(self, mod: torch.nn.Module, slots: list[tuple[str, torch.nn.Module, str]],
@@ -358,6 +371,7 @@ class ModuleBinding(Routing):
                 return found
         with self._users_lock:  # another thread may add a call meanwhile
             live = [c for c in (ref() for ref in self._watch) if c is not None]
+            generation = self._generation
         mine = [c for c in live if task in c.tasks] or live
         if len(mine) > 1:
             raise RuntimeError(
@@ -369,7 +383,9 @@ class ModuleBinding(Routing):
                 "checkpointing out of a model called more than once per backward")
         if not mine:
             return None
-        self._last_source = (task, weakref.ref(mine[0]))
+        with self._users_lock:  # kept unless a call was added or reached meanwhile (another thread)
+            if self._generation == generation:
+                self._last_source = (task, weakref.ref(mine[0]))
         return mine[0]
 
     def _rebind_out(self, mod: torch.nn.Module) -> None:
@@ -550,15 +566,21 @@ class ModuleBinding(Routing):
             me = weakref.ref(self)
             with self._users_lock:
                 self._watch.add(weakref.ref(call, lambda ref: me() is not None and me()._call_gone(ref)))
-                self._last_source = None
+                self._forget_source()
             # A backward reaching the call's outputs puts the recompute hooks on (`calls._entered`)
             call.on_backward = lambda: me() is not None and me()._reached()
 
     def _reached(self) -> None:
         """A backward reached a call's outputs: the recompute hooks go on, and which call a
         recomputation belongs to is found afresh (`_source`)."""
-        self._last_source = None
+        with self._users_lock:
+            self._forget_source()
         self.attach(_RECOMPUTE)
+
+    def _forget_source(self) -> None:
+        """(Under the lock.) `_source`'s kept answer may be stale: found afresh next time."""
+        self._generation += 1
+        self._last_source = None
 
 
 def _rebuilt(module: torch.nn.Module, layout: Layout, stage: int,

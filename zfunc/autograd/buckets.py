@@ -438,7 +438,6 @@ def _places(slots: tuple[Slot, ...]) -> tuple[tuple[int, tuple[int, ...], tuple[
     return tuple(out)
 
 
-
 _PART = 32  # parameters per recomputed taps node (`TapPlan.parts`)
 
 
@@ -493,12 +492,13 @@ def tap_plan(binding: Any, path: str, buckets: tuple[Bucket, ...]) -> TapPlan:
         binding.tap_plans[path] = plan
     return plan
 
+
 class Rebind:
     """A forward call's parameters again, for a forward that autograd recomputes during backward
     (activation checkpointing runs the module outside zfunc's call): taps of the same compute
-    buffer handing their gradients to the same ``take``, one `_Taps` node per bucket and
-    backward, made when a recomputed module first asks for one of its parameters and shared by
-    every module recomputed in that backward. Under non-reentrant checkpointing only their values
+    buffer handing their gradients to the same ``take``, one `_Taps` node per part of a bucket
+    (`TapPlan.parts`) and backward, made when a recomputed module first asks for one of its
+    parameters and shared by every module recomputed in that backward. Under non-reentrant checkpointing only their values
     matter (the call's own graph carries the gradients); under reentrant checkpointing each
     segment's own backward runs the shared node, with gradients for that segment's parameters
     only. The nodes hang off a leaf of their own rather than the collector, so a recomputation's
