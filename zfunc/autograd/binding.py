@@ -314,14 +314,12 @@ class ModuleBinding(Routing):
         me, flight = weakref.ref(self), self.flight
 
         def pre(slots: list) -> Any:
-            names = [n for n, _, _ in slots]
-
             def hook(mod: torch.nn.Module, args: Any) -> None:
                 if flight.backwards == 0:  # a forward: nothing to do (and compiled blocks trace this)
                     return
                 b = me()
                 if b is not None:
-                    b._rebind_in(mod, slots, names)
+                    b._rebind_in(mod, slots)
             return hook
 
         def post(mod: torch.nn.Module, args: Any, out: Any) -> None:
@@ -335,8 +333,7 @@ class ModuleBinding(Routing):
             mod = reader[key]
             self._specs += [(mod, True, pre(slots), _RECOMPUTE), (mod, False, post, _RECOMPUTE)]
 
-    def _rebind_in(self, mod: torch.nn.Module, slots: list[tuple[str, torch.nn.Module, str]],
-                   names: list[str] | None = None) -> bool:
+    def _rebind_in(self, mod: torch.nn.Module, slots: list[tuple[str, torch.nn.Module, str]]) -> bool:
         """In a forward recomputed during backward: put the parameters of the call whose backward
         this is in place (`_source`: found from the graph)."""
         if self.flight.current() is not None:
@@ -349,7 +346,7 @@ class ModuleBinding(Routing):
             return False
         self.occupy()
         try:
-            views = source.views(names if names is not None else [n for n, _, _ in slots])
+            views = source.views([n for n, _, _ in slots])
             self._rebound.setdefault((threading.get_ident(), id(mod)), []).append(
                 swap_in([(owner._parameters, attr, views[n]) for n, owner, attr in slots]))
         except BaseException:

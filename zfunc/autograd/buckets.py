@@ -166,7 +166,7 @@ class _Reducer:
         self.shard = unit.shard if fold is None else 0
         # Each parameter's tap key: its place in this list (offsets are not unique: a parameter
         # of no elements shares its offset with the next), as `tap_plan` numbers them.
-        self.slots = [(k, s) for k, b in enumerate(plan.buckets) for _, s in b]
+        self.slots = plan.flat
         self.keys = plan.keys
         self._reset()
 
@@ -444,8 +444,8 @@ _PART = 32  # parameters per recomputed taps node (`TapPlan.parts`)
 @dataclasses.dataclass(frozen=True, eq=False)
 class TapPlan:
     """Buckets of ``(key, slot)`` laid out for their taps once, not per call: each bucket's keys
-    and ``(offset, shape, stride)`` places (in the buffer), and each parameter's bucket and
-    ``(key, slot)`` by name. A binding keeps one per path (`tap_plan`).
+    and ``(offset, shape, stride)`` places (in the buffer), each parameter's bucket by name, and
+    every ``(bucket, slot)`` in order. A binding keeps one per path (`tap_plan`).
 
     Examples:
         >>> from zfunc.distributed.layout import Slot
@@ -458,7 +458,7 @@ class TapPlan:
     keys: tuple[tuple[Any, ...], ...]
     places: tuple[tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...], ...]
     bucket_of: dict[str, int]
-    slot_of: dict[str, tuple[Any, Slot]]
+    flat: tuple[tuple[int, Slot], ...]  # ``(bucket, slot)`` of every parameter, bucket by bucket
     _parts: list[TapPlan] = dataclasses.field(default_factory=list, repr=False)
 
     def parts(self) -> TapPlan:
@@ -475,7 +475,7 @@ class TapPlan:
         return cls(buckets=buckets, keys=tuple(tuple(key for key, _ in b) for b in buckets),
                    places=tuple(_places(tuple(s for _, s in b)) for b in buckets),
                    bucket_of={s.name: k for k, b in enumerate(buckets) for _, s in b},
-                   slot_of={s.name: (key, s) for b in buckets for key, s in b})
+                   flat=tuple((k, s) for k, b in enumerate(buckets) for _, s in b))
 
 
 def tap_plan(binding: Any, path: str, buckets: tuple[Bucket, ...]) -> TapPlan:
@@ -487,7 +487,7 @@ def tap_plan(binding: Any, path: str, buckets: tuple[Bucket, ...]) -> TapPlan:
         if path == "local":
             plan = TapPlan.of([[(s.offset, s) for s in b.slots] for b in buckets])
         else:
-            keyed = iter(range(sum(len(b.slots) for b in buckets)))
+            keyed = itertools.count()
             plan = TapPlan.of([[(next(keyed), s) for s in b.slots] for b in buckets])
         binding.tap_plans[path] = plan
     return plan
@@ -498,10 +498,10 @@ class Rebind:
     (activation checkpointing runs the module outside zfunc's call): taps of the same compute
     buffer handing their gradients to the same ``take``, one `_Taps` node per part of a bucket
     (`TapPlan.parts`) and backward, made when a recomputed module first asks for one of its
-    parameters and shared by every module recomputed in that backward. Under non-reentrant checkpointing only their values
-    matter (the call's own graph carries the gradients); under reentrant checkpointing each
-    segment's own backward runs the shared node, with gradients for that segment's parameters
-    only. The nodes hang off a leaf of their own rather than the collector, so a recomputation's
+    parameters and shared by every module recomputed in that backward. Under non-reentrant
+    checkpointing only their values matter (the call's own graph carries the gradients); under
+    reentrant checkpointing each segment's own backward runs the shared nodes, with gradients
+    for that segment's parameters only. The nodes hang off a leaf of their own rather than the collector, so a recomputation's
     own backward delivers its gradients without running the collector early. The call's graph
     keeps it alive, and nothing else: it exists exactly while the call's backward can still run.
 

@@ -103,10 +103,8 @@ class InFlight:
                 del self._entered[task]
 
 
-def _entered(call: Any, flight: InFlight, grad_outputs: Any) -> None:
-    """A backward reached the call's output: note it on the call, count it until it ends."""
-    del grad_outputs
-    task = graph_task()
+def _entered(call: Any, flight: InFlight, task: int) -> None:
+    """Backward ``task`` reached the call's output: note it on the call, count it until it ends."""
     call.tasks.add(task)
     on_backward = getattr(call, "on_backward", None)  # the binding's recompute hooks go on
     if on_backward is not None:
@@ -173,7 +171,7 @@ def mark_outputs(out: Any, call: Any, flight: InFlight) -> None:
         if fn is None or id(fn) in seen or is_transformed(t):
             continue
         seen.add(id(fn))
-        _prehook(fn, functools.partial(_entered, call, flight))
+        note_backwards(t, functools.partial(_entered, call, flight))
 
 
 def note_backwards(t: torch.Tensor, note: Callable[[int], Any]) -> Any:
@@ -197,10 +195,6 @@ def note_backwards(t: torch.Tensor, note: Callable[[int], Any]) -> Any:
     def hook(grad_outputs: Any) -> None:
         note(graph_task())
 
-    return _prehook(fn, hook)
-
-
-def _prehook(fn: Any, hook: Callable[[Any], None]) -> Any:
     return fn.register_prehook(hook)
 
 
