@@ -136,10 +136,9 @@ def _late_part(rank: int) -> str:
     sink.grad = torch.zeros(state.grads.numel())
     views, rebind = bucket_views(state, sink, state.binding.buckets(state), state.binding.pool, Average(1, 2))
     reducer = rebind.take.__self__
-    for j, (_, slot) in enumerate(reducer.slots):
-        rebind.take(j, torch.ones(slot.shape))
+    rebind.take(tuple(range(len(reducer.slots))), tuple(torch.ones(slot.shape) for _, slot in reducer.slots))
     try:
-        rebind.take(0, torch.ones(reducer.slots[0][1].shape))
+        rebind.take((0,), (torch.ones(reducer.slots[0][1].shape),))
     except RuntimeError as e:
         return str(e)
     finally:

@@ -183,6 +183,12 @@ class _Reducer:
         self.out: torch.Tensor | None = None
         self.direct = False  # reducing into the accumulator (sink.grad) itself
 
+    def many(self, keys: tuple[int, ...], grads: tuple[torch.Tensor | None, ...]) -> None:
+        """`take` each gradient that arrived (None: nothing reached that parameter in this graph)."""
+        arrived = list(map(operator.is_not, grads, itertools.repeat(None)))
+        for key, grad in zip(itertools.compress(keys, arrived), itertools.compress(grads, arrived)):
+            self.take(key, grad)
+
     def take(self, j: int, grad: torch.Tensor) -> None:
         """Parameter ``j``'s gradient (``self.slots[j]``) is complete. (It comes in parts when
         reentrant activation checkpointing recomputes a forward that uses it during backward.)"""
@@ -381,10 +387,10 @@ class Collect(VmapAsIs, torch.autograd.Function):
 
 class _Taps(VmapAsIs, torch.autograd.Function):
     """A bucket's parameters as views of the compute buffer, one node for all of them
-    (``places``: ``(offset, shape, stride)`` of each, `_places`). Its backward hands each gradient
-    autograd has for them to ``take(key, grad)`` (none: nothing reached that parameter in this graph; it
-    may come later from a recomputed forward, or adds zeros at the end) and feeds ``hub`` a zero,
-    so the hub's node runs after every bucket's."""
+    (``places``: ``(offset, shape, stride)`` of each, `_places`). Its backward hands the gradients
+    autograd has for them to ``take(keys, grads)`` (None: nothing reached that parameter in this
+    graph; it may come later from a recomputed forward, or adds zeros at the end) and feeds ``hub``
+    a zero, so the hub's node runs after every bucket's."""
 
     @staticmethod
     def forward(hub: torch.Tensor, flat: torch.Tensor, take: Any, keys: tuple, places: tuple) -> tuple:
@@ -399,21 +405,14 @@ class _Taps(VmapAsIs, torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
         refuse_create_graph(torch.is_grad_enabled())
-        many = getattr(ctx.take, "many", None)  # a taker that places a bucket's gradients at once
-        if many is not None:
-            many(ctx.keys, grads)
-        else:
-            # most are None in the backward of a segment a reentrant checkpoint recomputed
-            arrived = list(map(operator.is_not, grads, itertools.repeat(None)))
-            for key, grad in zip(itertools.compress(ctx.keys, arrived), itertools.compress(grads, arrived)):
-                ctx.take(key, grad)
+        ctx.take(ctx.keys, grads)
         return torch.zeros((), dtype=torch.float32, device=ctx.device), None, None, None, None
 
 
 def _bucket_taps(hub: torch.Tensor, compute: torch.Tensor, take: Any, plan: TapPlan,
                  which: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
     """Every parameter of ``plan``'s buckets (``which`` of them, else all) as a view of
-    ``compute`` whose gradient reaches ``take(key, grad)``, one `_Taps` node per bucket."""
+    ``compute`` whose gradient reaches ``take(keys, grads)``, one `_Taps` node per bucket."""
     views = {}
     base = compute.storage_offset()
     for k in range(len(plan.buckets)) if which is None else which:
@@ -502,21 +501,23 @@ class Rebind:
     checkpointing only their values matter (the call's own graph carries the gradients); under
     reentrant checkpointing each segment's own backward runs the shared nodes, with gradients
     for that segment's parameters only. The nodes hang off a leaf of their own rather than the collector, so a recomputation's
-    own backward delivers its gradients without running the collector early. The call's graph
-    keeps it alive, and nothing else: it exists exactly while the call's backward can still run.
+    own backward delivers its gradients without running the collector early. ``flush`` (if
+    given) runs when a backward that made views ends: a taker that holds gradients adds them
+    (`zfunc.autograd.local`). The call's graph keeps the rebind alive, and nothing else: it exists
+    exactly while the call's backward can still run.
 
     Examples:
         >>> import torch
         >>> from zfunc.distributed.layout import Slot
         >>> got = []
-        >>> rb = Rebind(torch.arange(4.0), TapPlan.of([[(0, Slot("w", (2, 2), 0))]]), lambda k, g: got.append(g))
+        >>> rb = Rebind(torch.arange(4.0), TapPlan.of([[(0, Slot("w", (2, 2), 0))]]), lambda k, g: got.extend(g))
         >>> w = rb.views(["w"])["w"]
         >>> (w * 3).sum().backward(); w.tolist(), got[0].tolist()
         ([[0.0, 1.0], [2.0, 3.0]], [[3.0, 3.0], [3.0, 3.0]])
     """
 
-    def __init__(self, compute: torch.Tensor, plan: TapPlan, take: Any):
-        self.compute, self.plan, self.take = compute, plan.parts(), take
+    def __init__(self, compute: torch.Tensor, plan: TapPlan, take: Any, flush: Any = None):
+        self.compute, self.plan, self.take, self.flush = compute, plan.parts(), take, flush
         self.frozen: dict[str, torch.Tensor] = {}  # the call's frozen parameters, by name
         self.anchor: torch.Tensor | None = None
         self.tasks: set[int] = set()  # the backwards that differentiate this call (`zfunc._probes.graph_task`)
@@ -531,8 +532,7 @@ class Rebind:
         if made is None:
             made = self._made[task] = {}
             if task != -1:  # forgotten when that backward ends (they hold its nodes)
-                me = weakref.ref(self)
-                at_backward_end(lambda: me() is not None and me()._made.pop(task, None) and None)
+                at_backward_end(functools.partial(_backward_ended, weakref.ref(self), task))
         out = {}
         for n in names:
             if n in self.frozen:
@@ -542,6 +542,14 @@ class Rebind:
                 made.update(_bucket_taps(self.anchor, self.compute, self.take, self.plan, [self.plan.bucket_of[n]]))
             out[n] = made[n]
         return out
+
+
+def _backward_ended(ref: weakref.ref, task: int) -> None:
+    rebind = ref()
+    if rebind is not None:
+        rebind._made.pop(task, None)
+        if rebind.flush is not None:
+            rebind.flush()
 
 
 def bucket_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, ...], pool: Pool,
@@ -554,8 +562,8 @@ def bucket_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, .
     reducer = _Reducer(state, buckets, pool, sink, fold, avg, plan)
     hub = Collect.apply(reducer, sink)
     compute = state.compute  # at stages 1-2 with units, each piece read after forward gathered it (zfunc.autograd.forward_gather)
-    rebind = _keep(hub, Rebind(compute, plan, reducer.take))
-    return _bucket_taps(hub, compute, reducer.take, plan), rebind
+    rebind = _keep(hub, Rebind(compute, plan, reducer.many))
+    return _bucket_taps(hub, compute, reducer.many, plan), rebind
 
 
 def _keep(hub: torch.Tensor, rebind: Rebind) -> Rebind:

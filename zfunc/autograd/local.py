@@ -25,16 +25,19 @@ __all__ = ["local_views"]
 
 
 class _InPlace:
-    """The collector's reducer for `local_views` (``hub = Collect.apply(_InPlace(sink), sink)``):
-    the gradients are in the accumulator already, so the collector hands the sink a zero that
-    holds no memory (its hooks still run)."""
+    """The collector's reducer for `local_views` (``hub = Collect.apply(_InPlace(add), sink)``):
+    the gradients are in the accumulator already (``add`` flushes what it held), so the collector
+    hands the sink a zero that holds no memory (its hooks still run)."""
 
-    __slots__ = ("shape", "dtype", "device")
+    __slots__ = ("add", "shape", "dtype", "device")
 
-    def __init__(self, sink: torch.Tensor):
+    def __init__(self, add: _AddLocal):
+        self.add = add
+        sink = add.sink
         self.shape, self.dtype, self.device = sink.shape, sink.dtype, sink.device
 
     def finish(self) -> list[torch.Tensor]:
+        self.add.flush()
         return [torch.zeros((), dtype=self.dtype, device=self.device).expand(self.shape)]
 
 
@@ -46,21 +49,52 @@ class _AddLocal:
     contiguously go in one ``torch._foreach_add_`` over views that one ``split`` makes of the
     accumulator (two calls into torch rather than three per parameter; a model of many small
     parameters spends most of its backward overhead there), the others one by one. The sums are
-    ``add_``'s, element for element.
+    ``add_``'s, element for element; a key given twice is added twice, in order.
+
+    ``hold`` keeps gradients instead, up to ``limit`` elements (a bucket's), and `flush` adds what
+    it keeps in one ``many``: under reentrant activation checkpointing each recomputed segment's
+    own backward delivers a few gradients, and adding them segment by segment costs torch calls
+    per parameter that torch itself does not make (it keeps the gradient tensor as ``.grad``).
+    The collector flushes, and so does the end of the backward (`Rebind`).
 
     Examples:
         >>> import torch, types
         >>> sink = torch.zeros(6, requires_grad=True); sink.grad = torch.zeros(6)
-        >>> add = _AddLocal(sink, types.SimpleNamespace(factor=0.5))
+        >>> add = _AddLocal(sink, types.SimpleNamespace(factor=0.5), limit=4)
         >>> add.many((4, 0, 3), (torch.ones(2), torch.full((2,), 4.0), None))
         >>> add(2, torch.ones(1)); sink.grad.tolist()
         [2.0, 2.0, 0.5, 0.0, 0.5, 0.5]
+        >>> add.hold((3,), (torch.ones(1),)); sink.grad[3].item()
+        0.0
+        >>> add.flush(); sink.grad[3].item()
+        0.5
     """
 
-    __slots__ = ("sink", "avg")
+    __slots__ = ("sink", "avg", "limit", "_held", "_held_numel")
 
-    def __init__(self, sink: torch.Tensor, avg: Average):
-        self.sink, self.avg = sink, avg
+    def __init__(self, sink: torch.Tensor, avg: Average, limit: int = 0):
+        self.sink, self.avg, self.limit = sink, avg, limit
+        self._held: tuple[list, list] = ([], [])  # keys, gradients
+        self._held_numel = 0
+
+    def hold(self, keys: tuple, grads: tuple) -> None:
+        """Keep ``grads`` (None: not reached) to add with the next `flush`; flush once more than
+        ``limit`` elements are kept."""
+        arrived = list(map(operator.is_not, grads, itertools.repeat(None)))
+        held_keys, held_grads = self._held
+        held_keys.extend(itertools.compress(keys, arrived))
+        n = len(held_grads)
+        held_grads.extend(itertools.compress(grads, arrived))
+        self._held_numel += sum(g.numel() for g in held_grads[n:])
+        if self._held_numel > self.limit:
+            self.flush()
+
+    def flush(self) -> None:
+        """Add what `hold` kept."""
+        keys, grads = self._held
+        if keys:
+            self._held, self._held_numel = ([], []), 0
+            self.many(tuple(keys), tuple(grads))
 
     def __call__(self, start: int, grad: torch.Tensor) -> None:
         grad = _flat_if_free(grad)
@@ -71,10 +105,14 @@ class _AddLocal:
         arrived = list(map(operator.is_not, grads, itertools.repeat(None)))
         if not all(arrived):  # not reached in this graph (a reentrant segment's backward: most)
             keys, grads = itertools.compress(keys, arrived), itertools.compress(grads, arrived)
-        batch = []
+        batch, later, seen = [], [], set()
         for key, grad in zip(keys, grads):
             if grad.numel() == 0:  # empty: at the offset of the parameter after it
                 continue
+            if key in seen:  # given before (a module recomputed twice): a later pass, in order
+                later.append((key, grad))
+                continue
+            seen.add(key)
             if grad.dtype == acc.dtype and grad.is_contiguous():
                 batch.append((key, grad))
             else:  # another dtype (the widening kernel), or strided (written in one pass as it is)
@@ -82,23 +120,25 @@ class _AddLocal:
         if len(batch) < 2:
             for key, grad in batch:
                 self(key, grad)
-            return
-        batch.sort(key=operator.itemgetter(0))
-        sizes, picks, srcs = [], [], []
-        start = end = batch[0][0]
-        for key, grad in batch:
-            if key > end:  # a gap (a parameter not reached, alignment): split off, left alone
-                sizes.append(key - end)
-            picks.append(len(sizes))
-            sizes.append(grad.numel())
-            srcs.append(grad.view(-1))
-            end = key + grad.numel()
-        parts = acc.narrow(0, start, end - start).split_with_sizes(sizes)
-        dsts = [parts[i] for i in picks]
-        if factor == 1.0:
-            torch._foreach_add_(dsts, srcs)
         else:
-            torch._foreach_add_(dsts, srcs, alpha=factor)
+            batch.sort(key=operator.itemgetter(0))
+            sizes, picks, srcs = [], [], []
+            start = end = batch[0][0]
+            for key, grad in batch:
+                if key > end:  # a gap (a parameter not reached, alignment): split off, left alone
+                    sizes.append(key - end)
+                picks.append(len(sizes))
+                sizes.append(grad.numel())
+                srcs.append(grad.view(-1))
+                end = key + grad.numel()
+            parts = acc.narrow(0, start, end - start).split_with_sizes(sizes)
+            dsts = [parts[i] for i in picks]
+            if factor == 1.0:
+                torch._foreach_add_(dsts, srcs)
+            else:
+                torch._foreach_add_(dsts, srcs, alpha=factor)
+        if later:  # (one foreach never writes one place twice: a fused kernel would race)
+            self.many(*zip(*later))
 
 
 def local_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, ...],
@@ -107,10 +147,9 @@ def local_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, ..
     times ``avg.factor``, bucket by bucket, into the full local accumulator ``sink.grad``: no flat
     gradient of the whole unit is assembled first (a concatenation and a fresh unit-sized buffer
     per micro-batch). Also the call's `Rebind`."""
-    (unit,) = state.layout.units
-    add = _AddLocal(sink, avg)
+    add = _AddLocal(sink, avg, limit=max((b.stop - b.start for b in buckets), default=0))
     compute = state.compute
-    hub = Collect.apply(_InPlace(sink), sink)
+    hub = Collect.apply(_InPlace(add), sink)
     plan = tap_plan(state.binding, "local", buckets)
-    rebind = _keep(hub, Rebind(compute, plan, add))
-    return _bucket_taps(hub, compute, add, plan), rebind
+    rebind = _keep(hub, Rebind(compute, plan, add.hold, add.flush))
+    return _bucket_taps(hub, compute, add.many, plan), rebind
