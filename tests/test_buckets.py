@@ -206,37 +206,41 @@ def test_a_bucket_added_at_once_sums_as_one_by_one(factor):
     assert not torch.equal(sums[0], base)
 
 
-@pytest.mark.parametrize("limit", [0, 40, 10**6])
-def test_held_gradients_sum_as_one_by_one(limit):
-    """Gradients a reentrant checkpoint's segments deliver are held (`_AddLocal.hold`) and added
-    in batches (at ``limit`` elements, and at `_AddLocal.flush`): the same sums, bit for bit, as
-    adding each as it comes, with a parameter delivered twice (a module recomputed in two
-    segments) whose parts land in order, and nothing added before a flush when under the limit."""
+@pytest.mark.parametrize("limit", [0, 20, 10**6])
+def test_recomputed_leaves_collect_what_their_backwards_gave(limit):
+    """On the local accumulator's path a recomputed forward's parameters are leaves
+    (`zfunc.autograd.buckets.Rebind`): separate backwards (a reentrant checkpoint's segments) accumulate into them
+    in torch's engine, one parameter in two of them, and `collect` adds it all, times the factor,
+    into the accumulator: when more than ``limit`` elements were handed out since the last
+    collect, and at the end. Under the limit nothing is added before the end."""
     import types
 
+    from zfunc.autograd.buckets import Rebind, TapPlan
     from zfunc.autograd.local import _AddLocal
+    from zfunc.distributed.layout import Slot
 
     gen = torch.Generator().manual_seed(0)
-    deliveries = [((0, 12, 40), (torch.randn(3, 4, generator=gen), None, torch.randn(7, generator=gen))),
-                  ((12, 40), (torch.randn(28, generator=gen), torch.randn(7, generator=gen))),
-                  ((0,), (torch.randn(3, 4, generator=gen).t().contiguous().t(),))]  # a strided one
-    avg = types.SimpleNamespace(factor=0.5)
-    sums = []
-    for held in (True, False):
-        sink = torch.zeros(48, requires_grad=True)
-        sink.grad = torch.randn(48, generator=torch.Generator().manual_seed(1))
-        before = sink.grad.clone()
-        add = _AddLocal(sink, avg, limit=limit)
-        for keys, grads in deliveries:
-            if held:
-                add.hold(keys, grads)
-            else:
-                for k, g in zip(keys, grads):
-                    if g is not None:
-                        add(k, g)
-        if held and limit == 10**6:
-            assert torch.equal(sink.grad, before)  # under the limit: nothing added yet
-        add.flush()
-        sums.append(sink.grad)
-    assert torch.equal(sums[0], sums[1])
-    assert not torch.equal(sums[0][0:12], before[0:12])
+    slots = [Slot("a", (3, 4), 0), Slot("b", (28,), 12), Slot("c", (7,), 40)]
+    plan = TapPlan.of([[(s.offset, s) for s in slots]])
+    compute = torch.randn(48, generator=gen)
+    sink = torch.zeros(48, requires_grad=True)
+    sink.grad = torch.randn(48, generator=gen)
+    expected = sink.grad.clone().double()
+    rb = Rebind(compute, plan, _AddLocal(sink, types.SimpleNamespace(factor=0.5)).many, limit)
+    before = sink.grad.clone()
+    for names in (["a", "c"], ["b"], ["a"]):  # three segments, "a" in two of them
+        views = rb.views(names)
+        weights = {n: torch.randn(views[n].shape, generator=gen) for n in names}
+        sum((views[n] * weights[n]).sum() for n in names).backward()
+        for n in names:
+            s = next(s for s in slots if s.name == n)
+            expected[s.offset:s.offset + s.numel] += 0.5 * weights[n].double().reshape(-1)
+    if limit == 10**6:
+        assert torch.equal(sink.grad, before)  # under the limit: all of it waits for the collect
+    else:
+        assert not torch.equal(sink.grad, before)
+    rb.collect()
+    assert torch.allclose(sink.grad.double(), expected, atol=1e-6, rtol=0)
+    assert all(v.grad is None for v in rb._made[-1].values())  # nothing collected twice
+    rb.collect()
+    assert torch.allclose(sink.grad.double(), expected, atol=1e-6, rtol=0)

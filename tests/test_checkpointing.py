@@ -20,9 +20,10 @@ def _model(ckpt: str | None) -> Stack:
     return model
 
 
-def _train(rank: int, ckpt: str | None, stage: int, grad_accum: int, units: list | None) -> list[torch.Tensor]:
+def _train(rank: int, ckpt: str | None, stage: int, grad_accum: int, units: list | None,
+           bucket_mb: float = 25.0) -> list[torch.Tensor]:
     cfg = zfunc.Config(stage=stage, grad_accum=grad_accum, clip=1.0, persist_threshold=0, units=units,
-                       optimizer=zfunc.adamw(lr=1e-2))
+                       optimizer=zfunc.adamw(lr=1e-2), bucket_mb=bucket_mb)
     state = zfunc.init(_model(ckpt), cfg)
     g = torch.Generator().manual_seed(rank)
     for _ in range(3):
@@ -49,6 +50,17 @@ def test_checkpointed_training_is_the_plain_one(world):
                             assert all(torch.equal(x, y) for x, y in zip(a, b)), where
                         else:  # block 1's two parts are added one after the other: rounding apart
                             assert max((x - y).abs().max().item() for x, y in zip(a, b)) < 1e-6, where
+
+
+def test_small_buckets_under_reentrant_checkpointing():
+    """Buckets of a parameter or two: on the local accumulator's path a recomputed segment's
+    gradients are added a bucket's worth at a time (`zfunc.autograd.buckets.Rebind`), so here
+    at nearly every recomputed module; at the boundary they are reduced bucket by bucket."""
+    for world in (1, 2):
+        for stage, grad_accum in ((0, 2), (1, 1), (2, 2)):
+            plain = run_ranks(_train, world, None, stage, grad_accum, None, 1e-4)
+            for a, b in zip(plain, run_ranks(_train, world, "reentrant", stage, grad_accum, None, 1e-4)):
+                assert max((x - y).abs().max().item() for x, y in zip(a, b)) < 1e-6, (world, stage, grad_accum)
 
 
 class _Scaled(torch.nn.Module):

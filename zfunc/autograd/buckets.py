@@ -369,7 +369,8 @@ def _shaped(region: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 class Collect(VmapAsIs, torch.autograd.Function):
     """The node every gradient piece feeds (``hub = Collect.apply(reducer, *sinks)``): autograd runs
     its backward after all of them, and it delivers ``reducer.finish()``, one result per sink (None
-    for a sink nothing reached), to the sinks."""
+    for a sink nothing reached), to the sinks, once the call's `Rebind` (`_keep`) handed over the
+    gradients its leaves hold."""
 
     @staticmethod
     def forward(reducer: Any, *sinks: torch.Tensor) -> torch.Tensor:
@@ -381,6 +382,9 @@ class Collect(VmapAsIs, torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, _: torch.Tensor) -> tuple:
+        rebind = getattr(ctx, "keep", None)
+        if rebind is not None:
+            rebind.collect()
         results = ctx.reducer.finish()
         return (None, *(None if r is None else r.to(dt) for r, dt in zip(results, ctx.dtypes)))
 
@@ -409,13 +413,12 @@ class _Taps(VmapAsIs, torch.autograd.Function):
         return torch.zeros((), dtype=torch.float32, device=ctx.device), None, None, None, None
 
 
-def _bucket_taps(hub: torch.Tensor, compute: torch.Tensor, take: Any, plan: TapPlan,
-                 which: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
-    """Every parameter of ``plan``'s buckets (``which`` of them, else all) as a view of
-    ``compute`` whose gradient reaches ``take(keys, grads)``, one `_Taps` node per bucket."""
+def _bucket_taps(hub: torch.Tensor, compute: torch.Tensor, take: Any, plan: TapPlan) -> dict[str, torch.Tensor]:
+    """Every parameter of ``plan``'s buckets as a view of ``compute`` whose gradient reaches
+    ``take(keys, grads)``, one `_Taps` node per bucket."""
     views = {}
     base = compute.storage_offset()
-    for k in range(len(plan.buckets)) if which is None else which:
+    for k in range(len(plan.buckets)):
         places = plan.places[k]
         if base:
             places = tuple((base + offset, shape, stride) for offset, shape, stride in places)
@@ -437,43 +440,31 @@ def _places(slots: tuple[Slot, ...]) -> tuple[tuple[int, tuple[int, ...], tuple[
     return tuple(out)
 
 
-_PART = 32  # parameters per recomputed taps node (`TapPlan.parts`)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class TapPlan:
     """Buckets of ``(key, slot)`` laid out for their taps once, not per call: each bucket's keys
-    and ``(offset, shape, stride)`` places (in the buffer), each parameter's bucket by name, and
-    every ``(bucket, slot)`` in order. A binding keeps one per path (`tap_plan`).
+    and ``(offset, shape, stride)`` places (in the buffer), each parameter's key and place by
+    name, and every ``(bucket, slot)`` in order. A binding keeps one per path (`tap_plan`).
 
     Examples:
         >>> from zfunc.distributed.layout import Slot
         >>> plan = TapPlan.of([[(0, Slot("w", (2, 2), 0)), (1, Slot("b", (2,), 4))]])
-        >>> plan.keys, plan.places, plan.bucket_of["b"]
-        (((0, 1),), (((0, (2, 2), (2, 1)), (4, (2,), (1,))),), 0)
+        >>> plan.keys, plan.places, plan.by_name["b"]
+        (((0, 1),), (((0, (2, 2), (2, 1)), (4, (2,), (1,))),), (1, (4, (2,), (1,))))
     """
 
     buckets: tuple[tuple[tuple[Any, Slot], ...], ...]
     keys: tuple[tuple[Any, ...], ...]
     places: tuple[tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...], ...]
-    bucket_of: dict[str, int]
     flat: tuple[tuple[int, Slot], ...]  # ``(bucket, slot)`` of every parameter, bucket by bucket
-    _parts: list[TapPlan] = dataclasses.field(default_factory=list, repr=False)
-
-    def parts(self) -> TapPlan:
-        """The same taps in groups of at most `_PART` parameters (a recomputed forward's: under
-        reentrant checkpointing each segment's backward runs the nodes of its parameters, and a
-        node's backward costs by its width), made once."""
-        if not self._parts:
-            self._parts.append(TapPlan.of([b[i:i + _PART] for b in self.buckets for i in range(0, len(b), _PART)]))
-        return self._parts[0]
+    by_name: dict[str, tuple[Any, tuple[int, tuple[int, ...], tuple[int, ...]]]]  # name -> (key, place)
 
     @classmethod
     def of(cls, buckets: Sequence[Sequence[tuple[Any, Slot]]]) -> TapPlan:
         buckets = tuple(tuple(b) for b in buckets)
         return cls(buckets=buckets, keys=tuple(tuple(key for key, _ in b) for b in buckets),
                    places=tuple(_places(tuple(s for _, s in b)) for b in buckets),
-                   bucket_of={s.name: k for k, b in enumerate(buckets) for _, s in b},
+                   by_name={s.name: (key, _places.__wrapped__((s,))[0]) for b in buckets for key, s in b},
                    flat=tuple((k, s) for k, b in enumerate(buckets) for _, s in b))
 
 
@@ -494,62 +485,87 @@ def tap_plan(binding: Any, path: str, buckets: tuple[Bucket, ...]) -> TapPlan:
 
 class Rebind:
     """A forward call's parameters again, for a forward that autograd recomputes during backward
-    (activation checkpointing runs the module outside zfunc's call): taps of the same compute
-    buffer handing their gradients to the same ``take``, one `_Taps` node per part of a bucket
-    (`TapPlan.parts`) and backward, made when a recomputed module first asks for one of its
-    parameters and shared by every module recomputed in that backward. Under non-reentrant
-    checkpointing only their values matter (the call's own graph carries the gradients); under
-    reentrant checkpointing each segment's own backward runs the shared nodes, with gradients
-    for that segment's parameters only. The nodes hang off a leaf of their own rather than the collector, so a recomputation's
-    own backward delivers its gradients without running the collector early. ``flush`` (if
-    given) runs when a backward that made views ends: a taker that holds gradients adds them
-    (`zfunc.autograd.local`). The call's graph keeps the rebind alive, and nothing else: it exists
-    exactly while the call's backward can still run.
+    (activation checkpointing runs the module outside zfunc's call): leaves over the same compute
+    buffer, made per backward when a recomputed module first asks for them and shared by every
+    module recomputed in it. Under non-reentrant checkpointing only their values matter (the
+    call's own graph carries the gradients). Under reentrant checkpointing each segment's own
+    backward accumulates its gradients into those leaves' ``.grad`` in torch's engine, as torch
+    does for a plain model (a Python node of zfunc's per segment costs more than the segment's
+    arithmetic in a model of small layers), and `collect` hands them to ``take(keys, grads)``, the
+    call's batch taker: once more than ``limit`` elements (a bucket's) were handed out since the
+    last collect, when the collector runs, and when the backward ends. So at most about a bucket of
+    gradient waits outside the accumulator, and buckets still complete, and start their reduce,
+    one after another during backward. The call's graph keeps the rebind alive, and nothing else:
+    it exists exactly while the call's backward can still run.
 
     Examples:
         >>> import torch
         >>> from zfunc.distributed.layout import Slot
         >>> got = []
-        >>> rb = Rebind(torch.arange(4.0), TapPlan.of([[(0, Slot("w", (2, 2), 0))]]), lambda k, g: got.extend(g))
+        >>> rb = Rebind(torch.arange(4.0), TapPlan.of([[(0, Slot("w", (2, 2), 0))]]), lambda k, g: got.extend(g), 100)
         >>> w = rb.views(["w"])["w"]
-        >>> (w * 3).sum().backward(); w.tolist(), got[0].tolist()
-        ([[0.0, 1.0], [2.0, 3.0]], [[3.0, 3.0], [3.0, 3.0]])
+        >>> (w * 3).sum().backward(); w.is_leaf, w.tolist(), got
+        (True, [[0.0, 1.0], [2.0, 3.0]], [])
+        >>> rb.collect(); got[0].tolist()
+        [[3.0, 3.0], [3.0, 3.0]]
     """
 
-    def __init__(self, compute: torch.Tensor, plan: TapPlan, take: Any, flush: Any = None):
-        self.compute, self.plan, self.take, self.flush = compute, plan.parts(), take, flush
+    def __init__(self, compute: torch.Tensor, plan: TapPlan, take: Any, limit: int):
+        self.compute, self.plan, self.take, self.limit = compute, plan, take, limit
         self.frozen: dict[str, torch.Tensor] = {}  # the call's frozen parameters, by name
-        self.anchor: torch.Tensor | None = None
         self.tasks: set[int] = set()  # the backwards that differentiate this call (`zfunc._probes.graph_task`)
-        self._made: dict[int, dict[str, torch.Tensor]] = {}  # by backward (graph task): the views made in it
+        self._made: dict[int, dict[str, torch.Tensor]] = {}  # by backward (graph task): the leaves made in it
+        self._since = 0  # elements handed out since the last collect
 
     def views(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Parameters ``names`` (trained or frozen) as the call had them."""
-        if self.anchor is None:
-            self.anchor = torch.zeros((), dtype=torch.float32, device=self.compute.device, requires_grad=True)
         task = graph_task()
         made = self._made.get(task)
         if made is None:
             made = self._made[task] = {}
-            if task != -1:  # forgotten when that backward ends (they hold its nodes)
+            if task != -1:  # collected and forgotten when that backward ends
                 at_backward_end(functools.partial(_backward_ended, weakref.ref(self), task))
         out = {}
         for n in names:
             if n in self.frozen:
                 out[n] = self.frozen[n]
                 continue
-            if n not in made:
-                made.update(_bucket_taps(self.anchor, self.compute, self.take, self.plan, [self.plan.bucket_of[n]]))
-            out[n] = made[n]
+            leaf = made.get(n)
+            if leaf is None:
+                _, (offset, shape, stride) = self.plan.by_name[n]
+                c = self.compute
+                leaf = c.as_strided(shape, stride, c.storage_offset() + offset)
+                made[n] = leaf = (leaf.detach() if c.requires_grad else leaf).requires_grad_()
+                self._since += leaf.numel()
+                if self._since > self.limit:  # the earlier segments' backwards are done: theirs in
+                    self.collect(made)
+            out[n] = leaf
         return out
+
+    def collect(self, made: dict[str, torch.Tensor] | None = None) -> None:
+        """Hand ``take`` the gradients the leaves of ``made`` (else of the backward running now)
+        hold, and clear them."""
+        made = self._made.get(graph_task()) if made is None else made
+        self._since = 0
+        if not made:
+            return
+        keys, grads, by_name = [], [], self.plan.by_name
+        for name, leaf in made.items():
+            g = leaf.grad
+            if g is not None:
+                leaf.grad = None
+                keys.append(by_name[name][0])
+                grads.append(g)
+        if keys:
+            self.take(tuple(keys), tuple(grads))
 
 
 def _backward_ended(ref: weakref.ref, task: int) -> None:
     rebind = ref()
     if rebind is not None:
-        rebind._made.pop(task, None)
-        if rebind.flush is not None:
-            rebind.flush()
+        made = rebind._made.pop(task, None)
+        if made is not None:
+            rebind.collect(made)
 
 
 def bucket_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, ...], pool: Pool,
@@ -562,8 +578,13 @@ def bucket_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, .
     reducer = _Reducer(state, buckets, pool, sink, fold, avg, plan)
     hub = Collect.apply(reducer, sink)
     compute = state.compute  # at stages 1-2 with units, each piece read after forward gathered it (zfunc.autograd.forward_gather)
-    rebind = _keep(hub, Rebind(compute, plan, reducer.many))
+    rebind = _keep(hub, Rebind(compute, plan, reducer.many, _largest(buckets)))
     return _bucket_taps(hub, compute, reducer.many, plan), rebind
+
+
+def _largest(buckets: tuple[Bucket, ...]) -> int:
+    """Elements in the largest of ``buckets`` (what a `Rebind` lets wait)."""
+    return max((b.stop - b.start for b in buckets), default=0)
 
 
 def _keep(hub: torch.Tensor, rebind: Rebind) -> Rebind:

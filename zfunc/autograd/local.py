@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zfunc.autograd.average import Average
-from zfunc.autograd.buckets import Bucket, Collect, Rebind, _bucket_taps, _flat_if_free, _keep, _shaped, tap_plan
+from zfunc.autograd.buckets import Bucket, Collect, Rebind, _bucket_taps, _flat_if_free, _keep, _largest, _shaped, tap_plan
 from zfunc.distributed.widen import add_into
 
 if TYPE_CHECKING:
@@ -25,19 +25,16 @@ __all__ = ["local_views"]
 
 
 class _InPlace:
-    """The collector's reducer for `local_views` (``hub = Collect.apply(_InPlace(add), sink)``):
-    the gradients are in the accumulator already (``add`` flushes what it held), so the collector
-    hands the sink a zero that holds no memory (its hooks still run)."""
+    """The collector's reducer for `local_views` (``hub = Collect.apply(_InPlace(sink), sink)``):
+    the gradients are in the accumulator already, so the collector hands the sink a zero that
+    holds no memory (its hooks still run)."""
 
-    __slots__ = ("add", "shape", "dtype", "device")
+    __slots__ = ("shape", "dtype", "device")
 
-    def __init__(self, add: _AddLocal):
-        self.add = add
-        sink = add.sink
+    def __init__(self, sink: torch.Tensor):
         self.shape, self.dtype, self.device = sink.shape, sink.dtype, sink.device
 
     def finish(self) -> list[torch.Tensor]:
-        self.add.flush()
         return [torch.zeros((), dtype=self.dtype, device=self.device).expand(self.shape)]
 
 
@@ -49,52 +46,22 @@ class _AddLocal:
     contiguously go in one ``torch._foreach_add_`` over views that one ``split`` makes of the
     accumulator (two calls into torch rather than three per parameter; a model of many small
     parameters spends most of its backward overhead there), the others one by one. The sums are
-    ``add_``'s, element for element; a key given twice is added twice, in order.
-
-    ``hold`` keeps gradients instead, up to ``limit`` elements (a bucket's), and `flush` adds what
-    it keeps in one ``many``: under reentrant activation checkpointing each recomputed segment's
-    own backward delivers a few gradients, and adding them segment by segment costs torch calls
-    per parameter that torch itself does not make (it keeps the gradient tensor as ``.grad``).
-    The collector flushes, and so does the end of the backward (`Rebind`).
+    ``add_``'s, element for element; a key given twice (a tied parameter's names) is added twice,
+    in order.
 
     Examples:
         >>> import torch, types
         >>> sink = torch.zeros(6, requires_grad=True); sink.grad = torch.zeros(6)
-        >>> add = _AddLocal(sink, types.SimpleNamespace(factor=0.5), limit=4)
+        >>> add = _AddLocal(sink, types.SimpleNamespace(factor=0.5))
         >>> add.many((4, 0, 3), (torch.ones(2), torch.full((2,), 4.0), None))
         >>> add(2, torch.ones(1)); sink.grad.tolist()
         [2.0, 2.0, 0.5, 0.0, 0.5, 0.5]
-        >>> add.hold((3,), (torch.ones(1),)); sink.grad[3].item()
-        0.0
-        >>> add.flush(); sink.grad[3].item()
-        0.5
     """
 
-    __slots__ = ("sink", "avg", "limit", "_held", "_held_numel")
+    __slots__ = ("sink", "avg")
 
-    def __init__(self, sink: torch.Tensor, avg: Average, limit: int = 0):
-        self.sink, self.avg, self.limit = sink, avg, limit
-        self._held: tuple[list, list] = ([], [])  # keys, gradients
-        self._held_numel = 0
-
-    def hold(self, keys: tuple, grads: tuple) -> None:
-        """Keep ``grads`` (None: not reached) to add with the next `flush`; flush once more than
-        ``limit`` elements are kept."""
-        arrived = list(map(operator.is_not, grads, itertools.repeat(None)))
-        held_keys, held_grads = self._held
-        held_keys.extend(itertools.compress(keys, arrived))
-        n = len(held_grads)
-        held_grads.extend(itertools.compress(grads, arrived))
-        self._held_numel += sum(g.numel() for g in held_grads[n:])
-        if self._held_numel > self.limit:
-            self.flush()
-
-    def flush(self) -> None:
-        """Add what `hold` kept."""
-        keys, grads = self._held
-        if keys:
-            self._held, self._held_numel = ([], []), 0
-            self.many(tuple(keys), tuple(grads))
+    def __init__(self, sink: torch.Tensor, avg: Average):
+        self.sink, self.avg = sink, avg
 
     def __call__(self, start: int, grad: torch.Tensor) -> None:
         grad = _flat_if_free(grad)
@@ -147,9 +114,8 @@ def local_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, ..
     times ``avg.factor``, bucket by bucket, into the full local accumulator ``sink.grad``: no flat
     gradient of the whole unit is assembled first (a concatenation and a fresh unit-sized buffer
     per micro-batch). Also the call's `Rebind`."""
-    add = _AddLocal(sink, avg, limit=max((b.stop - b.start for b in buckets), default=0))
-    compute = state.compute
-    hub = Collect.apply(_InPlace(add), sink)
+    add = _AddLocal(sink, avg)
+    hub = Collect.apply(_InPlace(sink), sink)
     plan = tap_plan(state.binding, "local", buckets)
-    rebind = _keep(hub, Rebind(compute, plan, add.hold, add.flush))
-    return _bucket_taps(hub, compute, add.many, plan), rebind
+    rebind = _keep(hub, Rebind(state.compute, plan, add.many, _largest(buckets)))
+    return _bucket_taps(hub, state.compute, add.many, plan), rebind
