@@ -63,6 +63,46 @@ def test_small_buckets_under_reentrant_checkpointing():
                 assert max((x - y).abs().max().item() for x, y in zip(a, b)) < 1e-6, (world, stage, grad_accum)
 
 
+class _Shared(torch.nn.Module):
+    """``shared`` runs outside a reentrant checkpoint and inside it: its gradient comes in two
+    parts, one from the call's graph and one from the segment's own backward."""
+
+    def __init__(self, ckpt: bool):
+        super().__init__()
+        self.a, self.shared, self.b = (torch.nn.Linear(8, 8) for _ in range(3))
+        self.ckpt = ckpt
+
+    def segment(self, h):
+        return torch.tanh(self.shared(self.b(h)))
+
+    def forward(self, x):
+        h = self.shared(self.a(x))
+        h = torch.utils.checkpoint.checkpoint(self.segment, h, use_reentrant=True) if self.ckpt else self.segment(h)
+        return h.square().mean()
+
+
+def _shared(rank: int, ckpt: bool, stage: int, bucket_mb: float) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    cfg = zfunc.Config(stage=stage, bucket_mb=bucket_mb, optimizer=zfunc.adamw(lr=1e-2))
+    state = zfunc.init(_Shared(ckpt), cfg)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        state, _ = zfunc.backward_step(state, lambda m, x: m(x), torch.randn(4, 8, generator=g), donate=True)
+        state = zfunc.apply_step(state, donate=True)
+    return list(zfunc.full_params(state).values())
+
+
+def test_a_parameter_inside_and_outside_a_reentrant_segment():
+    """A segment's recomputed gradients join their bucket before it starts (`Rebind.collect` runs
+    when a bucket completes): the part from the call's graph and the segment's part are both in
+    the reduce, in one bucket for all and in a bucket per parameter."""
+    for stage in (0, 2):
+        for bucket_mb in (25.0, 1e-4):
+            plain = run_ranks(_shared, 2, False, stage, bucket_mb)
+            for a, b in zip(plain, run_ranks(_shared, 2, True, stage, bucket_mb)):
+                assert max((x - y).abs().max().item() for x, y in zip(a, b)) < 1e-6, (stage, bucket_mb)
+
+
 class _Scaled(torch.nn.Module):
     """A block whose scale lives in an ``nn.ParameterList``: a module with no forward of its own,
     whose parameter the block's forward reads."""

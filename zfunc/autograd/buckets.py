@@ -168,6 +168,7 @@ class _Reducer:
         # of no elements shares its offset with the next), as `tap_plan` numbers them.
         self.slots = plan.flat
         self.keys = plan.keys
+        self.recomputed: weakref.WeakMethod | None = None  # the call's `Rebind.collect`
         self._reset()
 
     def _reset(self) -> None:
@@ -184,14 +185,20 @@ class _Reducer:
         self.direct = False  # reducing into the accumulator (sink.grad) itself
 
     def many(self, keys: tuple[int, ...], grads: tuple[torch.Tensor | None, ...]) -> None:
-        """`take` each gradient that arrived (None: nothing reached that parameter in this graph)."""
+        """`take` each gradient that arrived (None: nothing reached that parameter in this graph),
+        all of them in place before a bucket they complete starts."""
         arrived = list(map(operator.is_not, grads, itertools.repeat(None)))
         for key, grad in zip(itertools.compress(keys, arrived), itertools.compress(grads, arrived)):
-            self.take(key, grad)
+            self._put(key, grad)
+        self._advance()
 
     def take(self, j: int, grad: torch.Tensor) -> None:
         """Parameter ``j``'s gradient (``self.slots[j]``) is complete. (It comes in parts when
         reentrant activation checkpointing recomputes a forward that uses it during backward.)"""
+        self._put(j, grad)
+        self._advance()
+
+    def _put(self, j: int, grad: torch.Tensor) -> None:
         k, slot = self.slots[j]
         if k < self.next:
             raise RuntimeError(
@@ -204,9 +211,17 @@ class _Reducer:
         self.missing[k].discard(j)
         if not self.missing[k]:
             self.complete[k] = True
-            while self.next < len(self.buckets) and self.complete[self.next]:
-                self._start(self.next)
-                self.next += 1
+
+    def _advance(self) -> None:
+        """Start the complete buckets, in order, once what recomputed segments left in their
+        leaves (`Rebind.collect`) joined them."""
+        if self.next < len(self.buckets) and self.complete[self.next] and self.recomputed is not None:
+            collect = self.recomputed()
+            if collect is not None:
+                collect()
+        while self.next < len(self.buckets) and self.complete[self.next]:
+            self._start(self.next)
+            self.next += 1
 
     def _open(self, k: int) -> None:
         """Decide where bucket ``k``'s gradients go, at its first one (or at the end, unreached)."""
@@ -579,6 +594,7 @@ def bucket_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, .
     hub = Collect.apply(reducer, sink)
     compute = state.compute  # at stages 1-2 with units, each piece read after forward gathered it (zfunc.autograd.forward_gather)
     rebind = _keep(hub, Rebind(compute, plan, reducer.many, _largest(buckets)))
+    reducer.recomputed = weakref.WeakMethod(rebind.collect)
     return _bucket_taps(hub, compute, reducer.many, plan), rebind
 
 
