@@ -4,6 +4,8 @@ latest call's parameters (`zfunc.autograd.binding.ModuleBinding._rebind_in`), ne
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -81,15 +83,20 @@ class _Shared(torch.nn.Module):
         return h.square().mean()
 
 
-def _shared(rank: int, ckpt: bool, stage: int, bucket_mb: float) -> list[torch.Tensor]:
+def _two_steps(rank: int, make: Any, cfg: zfunc.Config) -> list[torch.Tensor]:
+    """Two steps of ``make()`` (a model returning its loss) on rank-seeded batches: its parameters."""
     torch.manual_seed(0)
-    cfg = zfunc.Config(stage=stage, bucket_mb=bucket_mb, optimizer=zfunc.adamw(lr=1e-2))
-    state = zfunc.init(_Shared(ckpt), cfg)
+    state = zfunc.init(make(), cfg)
     g = torch.Generator().manual_seed(rank)
     for _ in range(2):
         state, _ = zfunc.backward_step(state, lambda m, x: m(x), torch.randn(4, 8, generator=g), donate=True)
         state = zfunc.apply_step(state, donate=True)
     return list(zfunc.full_params(state).values())
+
+
+def _shared(rank: int, ckpt: bool, stage: int, bucket_mb: float) -> list[torch.Tensor]:
+    cfg = zfunc.Config(stage=stage, bucket_mb=bucket_mb, optimizer=zfunc.adamw(lr=1e-2))
+    return _two_steps(rank, lambda: _Shared(ckpt), cfg)
 
 
 def test_a_parameter_inside_and_outside_a_reentrant_segment():
@@ -132,13 +139,7 @@ class _ScaledStack(torch.nn.Module):
 
 
 def _scaled(rank: int, ckpt: str | None, stage: int) -> list[torch.Tensor]:
-    torch.manual_seed(0)
-    state = zfunc.init(_ScaledStack(ckpt), zfunc.Config(stage=stage, optimizer=zfunc.adamw(lr=1e-2)))
-    g = torch.Generator().manual_seed(rank)
-    for _ in range(2):
-        state, _ = zfunc.backward_step(state, lambda m, x: m(x), torch.randn(4, 8, generator=g), donate=True)
-        state = zfunc.apply_step(state, donate=True)
-    return list(zfunc.full_params(state).values())
+    return _two_steps(rank, lambda: _ScaledStack(ckpt), zfunc.Config(stage=stage, optimizer=zfunc.adamw(lr=1e-2)))
 
 
 def test_a_parameter_a_parent_reads_is_recomputed_on_the_call():
