@@ -110,6 +110,43 @@ def test_a_parameter_inside_and_outside_a_reentrant_segment():
                 assert max((x - y).abs().max().item() for x, y in zip(a, b)) < 1e-6, (stage, bucket_mb)
 
 
+class _Adapters(torch.nn.Module):
+    """Hugging Face's ``enable_input_require_grads`` with adapters: a frozen embedding whose output
+    is made to require grad, and every trained parameter inside reentrant segments, so the call's
+    graph holds none of the taps of its forward (the collector is not in it)."""
+
+    def __init__(self, ckpt: bool):
+        super().__init__()
+        self.emb = torch.nn.Linear(8, 8).requires_grad_(False)
+        self.b1, self.b2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.ckpt = ckpt
+
+    def forward(self, x):
+        h = self.emb(x).requires_grad_()
+        for b in (self.b1, self.b2):
+            h = h + (torch.utils.checkpoint.checkpoint(b, h, use_reentrant=True) if self.ckpt else b(h)).tanh()
+        return h.square().mean()
+
+
+def _adapters(rank: int, ckpt: bool, stage: int, grad_accum: int, bucket_mb: float,
+              accum: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    cfg = zfunc.Config(stage=stage, grad_accum=grad_accum, bucket_mb=bucket_mb, grad_accum_dtype=accum,
+                       optimizer=zfunc.adamw(lr=1e-2))
+    return _two_steps(rank, lambda: _Adapters(ckpt), cfg)
+
+
+def test_every_trained_parameter_inside_reentrant_segments():
+    """The backward never reaches the call's collector: the reduces the segments' gradients started
+    are finished, and their sum added, when it ends (`_Reducer.settle`)."""
+    for world in (2, 3):
+        for stage, grad_accum, bucket_mb, accum in ((0, 1, 25.0, torch.float32), (1, 2, 25.0, torch.float32),
+                                                     (2, 1, 25.0, torch.float32), (2, 2, 1e-4, torch.float32),
+                                                     (2, 1, 25.0, torch.bfloat16)):  # bf16: the sum added after
+            plain = run_ranks(_adapters, world, False, stage, grad_accum, bucket_mb, accum)
+            for a, b in zip(plain, run_ranks(_adapters, world, True, stage, grad_accum, bucket_mb, accum)):
+                assert max((x - y).abs().max().item() for x, y in zip(a, b)) < 1e-6, (world, stage, grad_accum, accum)
+
+
 class _Scaled(torch.nn.Module):
     """A block whose scale lives in an ``nn.ParameterList``: a module with no forward of its own,
     whose parameter the block's forward reads."""
@@ -152,8 +189,9 @@ def test_a_parameter_a_parent_reads_is_recomputed_on_the_call():
                 assert max((x - y).abs().max().item() for x, y in zip(a, b)) < 1e-6, (stage, ckpt)
 
 
-def _engine(rank: int, ckpt: str | None, stage: int) -> list[torch.Tensor]:
-    model = _model(ckpt)
+def _engine(rank: int, ckpt: str | None, stage: int, adapters: bool = False) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = _Adapters(ckpt == "reentrant") if adapters else _model(ckpt)
     ds = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
           "zero_optimization": {"stage": stage}}
@@ -161,7 +199,7 @@ def _engine(rank: int, ckpt: str | None, stage: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(rank)
     for _ in range(6):
         x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
-        loss = ((engine(x) - y) ** 2).mean()
+        loss = engine(x) if adapters else ((engine(x) - y) ** 2).mean()
         engine.backward(loss)
         engine.step()
     return [p.detach().clone() for p in engine.module.parameters()] if stage < 3 else \
@@ -175,6 +213,15 @@ def test_checkpointing_through_the_engine():
             for a, b in zip(plain, run_ranks(_engine, 2, ckpt, stage)):
                 diff = max((x - y).abs().max().item() for x, y in zip(a, b))
                 assert diff == 0 if ckpt == "non_reentrant" else diff < 1e-6, f"stage {stage} {ckpt}: {diff}"
+
+
+def test_every_trained_parameter_inside_reentrant_segments_through_the_engine():
+    """The engine counts such a backward (its sinks are reached by the collector run at the
+    backward's end) and trains as without checkpointing."""
+    for stage in (0, 2):
+        plain = run_ranks(_engine, 2, None, stage, True)
+        for a, b in zip(plain, run_ranks(_engine, 2, "reentrant", stage, True)):
+            assert max((x - y).abs().max().item() for x, y in zip(a, b)) < 1e-6, stage
 
 
 def _late_part(rank: int) -> str:

@@ -399,6 +399,7 @@ class Collect(VmapAsIs, torch.autograd.Function):
     def backward(ctx: Any, _: torch.Tensor) -> tuple:
         rebind = getattr(ctx, "keep", None)
         if rebind is not None:
+            rebind._ran.add(graph_task())
             rebind.collect()
         results = ctx.reducer.finish()
         return (None, *(None if r is None else r.to(dt) for r, dt in zip(results, ctx.dtypes)))
@@ -525,8 +526,12 @@ class Rebind:
         [[3.0, 3.0], [3.0, 3.0]]
     """
 
-    def __init__(self, compute: torch.Tensor, plan: TapPlan, take: Any, limit: int):
+    def __init__(self, compute: torch.Tensor, plan: TapPlan, take: Any, limit: int, finisher: Any = None,
+                 sinks: tuple[torch.Tensor, ...] = ()):
         self.compute, self.plan, self.take, self.limit = compute, plan, take, limit
+        self.finisher, self.sinks = finisher, sinks  # the call's collector's (`settle`)
+        self._gave: set[int] = set()  # backwards in which `collect` handed gradients over
+        self._ran: set[int] = set()  # backwards that ran the call's collector
         self.frozen: dict[str, torch.Tensor] = {}  # the call's frozen parameters, by name
         self.tasks: set[int] = set()  # the backwards that differentiate this call (`zfunc._probes.graph_task`)
         self._made: dict[int, dict[str, torch.Tensor]] = {}  # by backward (graph task): the leaves made in it
@@ -572,7 +577,21 @@ class Rebind:
                 keys.append(by_name[name][0])
                 grads.append(g)
         if keys:
+            self._gave.add(graph_task())
             self.take(tuple(keys), tuple(grads))
+
+    def settle(self, task: int) -> None:
+        """Backward ``task`` ends. If it handed gradients over but never ran the call's collector
+        (its graph held none of the taps of the call's forward: every trained parameter was used
+        inside reentrant checkpoints, whose own backwards delivered the gradients), run a
+        collector of the same reducer now: it finishes the reduces they started and hands the
+        sinks the result, as the call's collector would have (the sinks' hooks run too)."""
+        gave, ran = task in self._gave, task in self._ran
+        self._gave.discard(task)
+        self._ran.discard(task)
+        if gave and not ran and self.finisher is not None:
+            with torch.enable_grad():
+                Collect.apply(self.finisher, *self.sinks).backward()
 
 
 def _backward_ended(ref: weakref.ref, task: int) -> None:
@@ -581,6 +600,7 @@ def _backward_ended(ref: weakref.ref, task: int) -> None:
         made = rebind._made.pop(task, None)
         if made is not None:
             rebind.collect(made)
+            rebind.settle(task)
 
 
 def bucket_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, ...], pool: Pool,
@@ -593,7 +613,7 @@ def bucket_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, .
     reducer = _Reducer(state, buckets, pool, sink, fold, avg, plan)
     hub = Collect.apply(reducer, sink)
     compute = state.compute  # at stages 1-2 with units, each piece read after forward gathered it (zfunc.autograd.forward_gather)
-    rebind = _keep(hub, Rebind(compute, plan, reducer.many, _largest(buckets)))
+    rebind = _keep(hub, Rebind(compute, plan, reducer.many, _largest(buckets), reducer, (sink,)))
     reducer.recomputed = weakref.WeakMethod(rebind.collect)
     return _bucket_taps(hub, compute, reducer.many, plan), rebind
 

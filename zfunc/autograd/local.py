@@ -114,8 +114,8 @@ def local_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, ..
     times ``avg.factor``, bucket by bucket, into the full local accumulator ``sink.grad``: no flat
     gradient of the whole unit is assembled first (a concatenation and a fresh unit-sized buffer
     per micro-batch). Also the call's `Rebind`."""
-    add = _AddLocal(sink, avg)
-    hub = Collect.apply(_InPlace(sink), sink)
+    add, inplace = _AddLocal(sink, avg), _InPlace(sink)
+    hub = Collect.apply(inplace, sink)
     plan = tap_plan(state.binding, "local", buckets)
-    rebind = _keep(hub, Rebind(state.compute, plan, add.many, _largest(buckets)))
+    rebind = _keep(hub, Rebind(state.compute, plan, add.many, _largest(buckets), inplace, (sink,)))
     return _bucket_taps(hub, state.compute, add.many, plan), rebind
