@@ -46,8 +46,7 @@ class _AddLocal:
     contiguously go in one ``torch._foreach_add_`` over views that one ``split`` makes of the
     accumulator (two calls into torch rather than three per parameter; a model of many small
     parameters spends most of its backward overhead there), the others one by one. The sums are
-    ``add_``'s, element for element; a key given twice (a tied parameter's names) is added twice,
-    in order.
+    ``add_``'s, element for element.
 
     Examples:
         >>> import torch, types
@@ -70,16 +69,12 @@ class _AddLocal:
     def many(self, keys: tuple, grads: tuple) -> None:
         acc, factor = self.sink.grad, self.avg.factor
         arrived = list(map(operator.is_not, grads, itertools.repeat(None)))
-        if not all(arrived):  # not reached in this graph (a reentrant segment's backward: most)
+        if not all(arrived):  # not reached in this graph (used only inside reentrant checkpoints)
             keys, grads = itertools.compress(keys, arrived), itertools.compress(grads, arrived)
-        batch, later, seen = [], [], set()
+        batch = []
         for key, grad in zip(keys, grads):
             if grad.numel() == 0:  # empty: at the offset of the parameter after it
                 continue
-            if key in seen:  # given before (a module recomputed twice): a later pass, in order
-                later.append((key, grad))
-                continue
-            seen.add(key)
             if grad.dtype == acc.dtype and grad.is_contiguous():
                 batch.append((key, grad))
             else:  # another dtype (the widening kernel), or strided (written in one pass as it is)
@@ -87,25 +82,23 @@ class _AddLocal:
         if len(batch) < 2:
             for key, grad in batch:
                 self(key, grad)
+            return
+        batch.sort(key=operator.itemgetter(0))
+        sizes, picks, srcs = [], [], []
+        start = end = batch[0][0]
+        for key, grad in batch:
+            if key > end:  # a gap (a parameter not reached, alignment): split off, left alone
+                sizes.append(key - end)
+            picks.append(len(sizes))
+            sizes.append(grad.numel())
+            srcs.append(grad.view(-1))
+            end = key + grad.numel()
+        parts = acc.narrow(0, start, end - start).split_with_sizes(sizes)
+        dsts = [parts[i] for i in picks]
+        if factor == 1.0:
+            torch._foreach_add_(dsts, srcs)
         else:
-            batch.sort(key=operator.itemgetter(0))
-            sizes, picks, srcs = [], [], []
-            start = end = batch[0][0]
-            for key, grad in batch:
-                if key > end:  # a gap (a parameter not reached, alignment): split off, left alone
-                    sizes.append(key - end)
-                picks.append(len(sizes))
-                sizes.append(grad.numel())
-                srcs.append(grad.view(-1))
-                end = key + grad.numel()
-            parts = acc.narrow(0, start, end - start).split_with_sizes(sizes)
-            dsts = [parts[i] for i in picks]
-            if factor == 1.0:
-                torch._foreach_add_(dsts, srcs)
-            else:
-                torch._foreach_add_(dsts, srcs, alpha=factor)
-        if later:  # (one foreach never writes one place twice: a fused kernel would race)
-            self.many(*zip(*later))
+            torch._foreach_add_(dsts, srcs, alpha=factor)
 
 
 def local_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, ...],
