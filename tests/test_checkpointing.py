@@ -115,7 +115,7 @@ class _Adapters(torch.nn.Module):
     is made to require grad, and every trained parameter inside reentrant segments, so the call's
     graph holds none of the taps of its forward (the collector is not in it)."""
 
-    def __init__(self, ckpt: bool):
+    def __init__(self, ckpt: bool | str):
         super().__init__()
         self.emb = torch.nn.Linear(8, 8).requires_grad_(False)
         self.b1, self.b2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
@@ -123,12 +123,17 @@ class _Adapters(torch.nn.Module):
 
     def forward(self, x):
         h = self.emb(x).requires_grad_()
+        if self.ckpt == "nested":  # the blocks' checkpoints inside one around both
+            return torch.utils.checkpoint.checkpoint(self.blocks, h, True, use_reentrant=True).square().mean()
+        return self.blocks(h, bool(self.ckpt)).square().mean()
+
+    def blocks(self, h, ckpt):
         for b in (self.b1, self.b2):
-            h = h + (torch.utils.checkpoint.checkpoint(b, h, use_reentrant=True) if self.ckpt else b(h)).tanh()
-        return h.square().mean()
+            h = h + (torch.utils.checkpoint.checkpoint(b, h, use_reentrant=True) if ckpt else b(h)).tanh()
+        return h
 
 
-def _adapters(rank: int, ckpt: bool, stage: int, grad_accum: int, bucket_mb: float,
+def _adapters(rank: int, ckpt: bool | str, stage: int, grad_accum: int, bucket_mb: float,
               accum: torch.dtype = torch.float32) -> list[torch.Tensor]:
     cfg = zfunc.Config(stage=stage, grad_accum=grad_accum, bucket_mb=bucket_mb, grad_accum_dtype=accum,
                        optimizer=zfunc.adamw(lr=1e-2))
@@ -137,14 +142,16 @@ def _adapters(rank: int, ckpt: bool, stage: int, grad_accum: int, bucket_mb: flo
 
 def test_every_trained_parameter_inside_reentrant_segments():
     """The backward never reaches the call's collector: the reduces the segments' gradients started
-    are finished, and their sum added, when it ends (`_Reducer.settle`)."""
+    are finished, and their sum added, when it ends (`zfunc.autograd.buckets.Rebind.settle`)."""
     for world in (2, 3):
         for stage, grad_accum, bucket_mb, accum in ((0, 1, 25.0, torch.float32), (1, 2, 25.0, torch.float32),
                                                      (2, 1, 25.0, torch.float32), (2, 2, 1e-4, torch.float32),
                                                      (2, 1, 25.0, torch.bfloat16)):  # bf16: the sum added after
             plain = run_ranks(_adapters, world, False, stage, grad_accum, bucket_mb, accum)
-            for a, b in zip(plain, run_ranks(_adapters, world, True, stage, grad_accum, bucket_mb, accum)):
-                assert max((x - y).abs().max().item() for x, y in zip(a, b)) < 1e-6, (world, stage, grad_accum, accum)
+            for ckpt in (True, "nested"):
+                for a, b in zip(plain, run_ranks(_adapters, world, ckpt, stage, grad_accum, bucket_mb, accum)):
+                    assert max((x - y).abs().max().item() for x, y in zip(a, b)) < 1e-6, (world, stage, grad_accum,
+                                                                                          accum, ckpt)
 
 
 class _Scaled(torch.nn.Module):
@@ -191,7 +198,7 @@ def test_a_parameter_a_parent_reads_is_recomputed_on_the_call():
 
 def _engine(rank: int, ckpt: str | None, stage: int, adapters: bool = False) -> list[torch.Tensor]:
     torch.manual_seed(0)
-    model = _Adapters(ckpt == "reentrant") if adapters else _model(ckpt)
+    model = _Adapters({"reentrant": True, "nested": "nested"}.get(ckpt, False)) if adapters else _model(ckpt)
     ds = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
           "zero_optimization": {"stage": stage}}
@@ -217,11 +224,13 @@ def test_checkpointing_through_the_engine():
 
 def test_every_trained_parameter_inside_reentrant_segments_through_the_engine():
     """The engine counts such a backward (its sinks are reached by the collector run at the
-    backward's end) and trains as without checkpointing."""
+    backward's end, once: a segment's nested backward does not run one) and trains as without
+    checkpointing."""
     for stage in (0, 2):
         plain = run_ranks(_engine, 2, None, stage, True)
-        for a, b in zip(plain, run_ranks(_engine, 2, "reentrant", stage, True)):
-            assert max((x - y).abs().max().item() for x, y in zip(a, b)) < 1e-6, stage
+        for ckpt in ("reentrant", "nested"):
+            for a, b in zip(plain, run_ranks(_engine, 2, ckpt, stage, True)):
+                assert max((x - y).abs().max().item() for x, y in zip(a, b)) < 1e-6, (stage, ckpt)
 
 
 def _late_part(rank: int) -> str:

@@ -399,8 +399,8 @@ class Collect(VmapAsIs, torch.autograd.Function):
     def backward(ctx: Any, _: torch.Tensor) -> tuple:
         rebind = getattr(ctx, "keep", None)
         if rebind is not None:
-            rebind._ran.add(graph_task())
             rebind.collect()
+            rebind._owed = False
         results = ctx.reducer.finish()
         return (None, *(None if r is None else r.to(dt) for r, dt in zip(results, ctx.dtypes)))
 
@@ -530,8 +530,7 @@ class Rebind:
                  sinks: tuple[torch.Tensor, ...] = ()):
         self.compute, self.plan, self.take, self.limit = compute, plan, take, limit
         self.finisher, self.sinks = finisher, sinks  # the call's collector's (`settle`)
-        self._gave: set[int] = set()  # backwards in which `collect` handed gradients over
-        self._ran: set[int] = set()  # backwards that ran the call's collector
+        self._owed = False  # gradients handed over since the call's collector last ran
         self.frozen: dict[str, torch.Tensor] = {}  # the call's frozen parameters, by name
         self.tasks: set[int] = set()  # the backwards that differentiate this call (`zfunc._probes.graph_task`)
         self._made: dict[int, dict[str, torch.Tensor]] = {}  # by backward (graph task): the leaves made in it
@@ -577,19 +576,18 @@ class Rebind:
                 keys.append(by_name[name][0])
                 grads.append(g)
         if keys:
-            self._gave.add(graph_task())
+            self._owed = True
             self.take(tuple(keys), tuple(grads))
 
-    def settle(self, task: int) -> None:
-        """Backward ``task`` ends. If it handed gradients over but never ran the call's collector
-        (its graph held none of the taps of the call's forward: every trained parameter was used
-        inside reentrant checkpoints, whose own backwards delivered the gradients), run a
-        collector of the same reducer now: it finishes the reduces they started and hands the
-        sinks the result, as the call's collector would have (the sinks' hooks run too)."""
-        gave, ran = task in self._gave, task in self._ran
-        self._gave.discard(task)
-        self._ran.discard(task)
-        if gave and not ran and self.finisher is not None:
+    def settle(self) -> None:
+        """A backward through the call's outputs ends. If gradients were handed over since the
+        call's collector last ran (its graph held none of the taps of the call's forward: every
+        trained parameter was used inside reentrant checkpoints, whose own backwards delivered the
+        gradients), run a collector of the same reducer now: it finishes the reduces they started
+        and hands the sinks the result, as the call's collector would have (the sinks' hooks run
+        too). A backward nested in it (a segment's) does not settle: its outer one does."""
+        if self._owed and self.finisher is not None:
+            self._owed = False
             with torch.enable_grad():
                 Collect.apply(self.finisher, *self.sinks).backward()
 
@@ -600,7 +598,8 @@ def _backward_ended(ref: weakref.ref, task: int) -> None:
         made = rebind._made.pop(task, None)
         if made is not None:
             rebind.collect(made)
-            rebind.settle(task)
+            if task in rebind.tasks:  # through the call's outputs, not a segment's nested backward
+                rebind.settle()
 
 
 def bucket_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, ...], pool: Pool,
