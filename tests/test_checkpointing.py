@@ -222,6 +222,30 @@ def test_checkpointing_through_the_engine():
                 assert diff == 0 if ckpt == "non_reentrant" else diff < 1e-6, f"stage {stage} {ckpt}: {diff}"
 
 
+def _fp16_engine(rank: int, ckpt: str | None, how: str) -> list[torch.Tensor]:
+    """Three steps of an fp16 engine (loss scaling) over `_Adapters`, the loss through
+    ``engine.backward`` or ``engine.scale(loss).backward()``."""
+    torch.manual_seed(0)
+    ds = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+          "zero_optimization": {"stage": 1}, "fp16": {"enabled": True, "initial_scale_power": 8}}
+    engine, *_ = zfunc.initialize(model=_Adapters(ckpt == "reentrant"), config=ds)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        loss = engine(torch.randn(4, 8, generator=g))
+        engine.backward(loss) if how == "backward" else engine.scale(loss).backward()
+        engine.step()
+    return [p.detach().float().clone() for p in engine.module.parameters()]
+
+
+def test_every_trained_parameter_inside_reentrant_segments_under_loss_scaling():
+    """The collector run at such a backward's end acts for it: the engine sees the scaled seed
+    (`engine.backward`) or the scaled loss (`engine.scale`) of the backward that ends."""
+    for how in ("backward", "scale"):
+        plain = run_ranks(_fp16_engine, 2, None, how)
+        for a, b in zip(plain, run_ranks(_fp16_engine, 2, "reentrant", how)):
+            assert max((x - y).abs().max().item() for x, y in zip(a, b)) == 0, how
+
+
 def test_every_trained_parameter_inside_reentrant_segments_through_the_engine():
     """The engine counts such a backward (its sinks are reached by the collector run at the
     backward's end, once: a segment's nested backward does not run one) and trains as without

@@ -60,7 +60,7 @@ def seeded_now(flight: calls.InFlight | None = None) -> bool:
     marked, whether the call is inside the segment or the segment inside the call."""
     if not SEEDED:
         return False
-    task = graph_task()
+    task = graph_task() if flight is None else flight.task_now()
     if task in SEEDED:
         return True
     return threading.get_ident() in SEEDED.values() and (flight is None or not flight.through_calls(task))

@@ -49,7 +49,7 @@ import torch
 from zfunc.distributed import comm
 from zfunc.distributed._vmap import VmapAsIs
 from zfunc.autograd.average import Average
-from zfunc.autograd.calls import at_backward_end
+from zfunc.autograd.calls import at_backward_end, note_backwards
 from zfunc._probes import graph_task
 from zfunc.errors import refuse_create_graph
 from zfunc.distributed.layout import Layout, Slot
@@ -527,9 +527,9 @@ class Rebind:
     """
 
     def __init__(self, compute: torch.Tensor, plan: TapPlan, take: Any, limit: int, finisher: Any = None,
-                 sinks: tuple[torch.Tensor, ...] = ()):
+                 sinks: tuple[torch.Tensor, ...] = (), flight: Any = None):
         self.compute, self.plan, self.take, self.limit = compute, plan, take, limit
-        self.finisher, self.sinks = finisher, sinks  # the call's collector's (`settle`)
+        self.finisher, self.sinks, self.flight = finisher, sinks, flight  # what `settle` needs
         self._owed = False  # gradients handed over since the call's collector last ran
         self.frozen: dict[str, torch.Tensor] = {}  # the call's frozen parameters, by name
         self.tasks: set[int] = set()  # the backwards that differentiate this call (`zfunc._probes.graph_task`)
@@ -585,11 +585,26 @@ class Rebind:
         trained parameter was used inside reentrant checkpoints, whose own backwards delivered the
         gradients), run a collector of the same reducer now: it finishes the reduces they started
         and hands the sinks the result, as the call's collector would have (the sinks' hooks run
-        too). A backward nested in it (a segment's) does not settle: its outer one does."""
-        if self._owed and self.finisher is not None:
-            self._owed = False
-            with torch.enable_grad():
-                Collect.apply(self.finisher, *self.sinks).backward()
+        too, and see the backward that ends, ``flight.task_now``: the engine counts it and checks
+        its loss scale). A backward nested in it (a segment's) does not settle: its outer one does."""
+        if not self._owed or self.finisher is None:
+            return
+        self._owed = False
+        outer, ran = graph_task(), []  # (autograd's final callbacks run in the backward that ends)
+        with torch.enable_grad():
+            hub = Collect.apply(self.finisher, *self.sinks)
+
+        def acts(task: int) -> None:
+            ran.append(task)
+            self.flight.acting[task] = outer
+
+        if self.flight is not None:
+            note_backwards(hub, acts)
+        try:
+            hub.backward()
+        finally:
+            for task in ran:
+                self.flight.acting.pop(task, None)
 
 
 def _backward_ended(ref: weakref.ref, task: int) -> None:
@@ -612,7 +627,7 @@ def bucket_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, .
     reducer = _Reducer(state, buckets, pool, sink, fold, avg, plan)
     hub = Collect.apply(reducer, sink)
     compute = state.compute  # at stages 1-2 with units, each piece read after forward gathered it (zfunc.autograd.forward_gather)
-    rebind = _keep(hub, Rebind(compute, plan, reducer.many, _largest(buckets), reducer, (sink,)))
+    rebind = _keep(hub, Rebind(compute, plan, reducer.many, _largest(buckets), reducer, (sink,), state.binding.flight))
     reducer.recomputed = weakref.WeakMethod(rebind.collect)
     return _bucket_taps(hub, compute, reducer.many, plan), rebind
 

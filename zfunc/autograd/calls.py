@@ -51,6 +51,7 @@ class InFlight:
         self.backwards = 0
         self._running: dict[int, list[Any]] = {}  # thread -> its calls, innermost last
         self._entered: dict[int, int] = {}  # graph task -> backwards through it
+        self.acting: dict[int, int] = {}  # graph task -> the backward it runs for (`task_now`)
         self._lock = threading.Lock()
 
     def current(self) -> Any:
@@ -79,6 +80,12 @@ class InFlight:
 
     def __reduce__(self) -> tuple:
         return (InFlight, ())  # in another process nothing is in flight
+
+    def task_now(self) -> int:
+        """The graph task of the backward running now, or, for one zfunc runs at another's end on
+        its behalf (`zfunc.autograd.buckets.Rebind.settle`), that other's."""
+        task = graph_task()
+        return self.acting.get(task, task)
 
     def through_calls(self, task: int) -> bool:
         """Whether backward ``task`` reached one of the binding's calls' outputs."""

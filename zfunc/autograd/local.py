@@ -110,5 +110,6 @@ def local_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, ..
     add, inplace = _AddLocal(sink, avg), _InPlace(sink)
     hub = Collect.apply(inplace, sink)
     plan = tap_plan(state.binding, "local", buckets)
-    rebind = _keep(hub, Rebind(state.compute, plan, add.many, _largest(buckets), inplace, (sink,)))
+    rebind = _keep(hub, Rebind(state.compute, plan, add.many, _largest(buckets), inplace, (sink,),
+                               state.binding.flight))
     return _bucket_taps(hub, state.compute, add.many, plan), rebind

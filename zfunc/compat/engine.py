@@ -37,7 +37,6 @@ from zfunc.autograd import average, calls
 from zfunc.autograd.swap import set_data, swap_in, swap_tensor
 from zfunc.autograd.average import Average, ranks_averaged
 from zfunc.autograd.buckets import Fold
-from zfunc._probes import graph_task
 from zfunc.io.checkpoint import agree, exists, load, read_extra, save
 from zfunc.io.deepspeed_checkpoint import is_deepspeed_checkpoint, read_deepspeed
 from zfunc.core.config import Config
@@ -157,7 +156,7 @@ class Engine(ConfigAccessors, WeightsOut, torch.nn.Module):
         segment that reentrant checkpointing differentiates inside it is part of it); under loss
         scaling, refuse one whose seed did not carry the scale (DeepSpeed's rule): neither an
         engine's ``backward`` nor a loss from `scale`."""
-        task = graph_task()
+        task = self._state.binding.flight.task_now()
         if task in self._tasks or self._state.binding.flight.nested():
             return
         self._tasks.add(task)
