@@ -115,22 +115,26 @@ class _Adapters(torch.nn.Module):
     is made to require grad, and every trained parameter inside reentrant segments, so the call's
     graph holds none of the taps of its forward (the collector is not in it)."""
 
-    def __init__(self, ckpt: bool | str):
+    def __init__(self, ckpt: bool | str, hidden: bool = False):
         super().__init__()
         self.emb = torch.nn.Linear(8, 8).requires_grad_(False)
         self.b1, self.b2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
-        self.ckpt = ckpt
+        self.ckpt, self.hidden = ckpt, hidden  # hidden: the first block's output returned beside the loss
 
     def forward(self, x):
         h = self.emb(x).requires_grad_()
         if self.ckpt == "nested":  # the blocks' checkpoints inside one around both
-            return torch.utils.checkpoint.checkpoint(self.blocks, h, True, use_reentrant=True).square().mean()
-        return self.blocks(h, bool(self.ckpt)).square().mean()
+            h, first = torch.utils.checkpoint.checkpoint(self.blocks, h, True, use_reentrant=True)
+        else:
+            h, first = self.blocks(h, bool(self.ckpt))
+        return (h.square().mean(), first) if self.hidden else h.square().mean()
 
     def blocks(self, h, ckpt):
+        outs = []
         for b in (self.b1, self.b2):
             h = h + (torch.utils.checkpoint.checkpoint(b, h, use_reentrant=True) if ckpt else b(h)).tanh()
-        return h
+            outs.append(h)
+        return h, outs[0]
 
 
 def _adapters(rank: int, ckpt: bool | str, stage: int, grad_accum: int, bucket_mb: float,
@@ -196,9 +200,9 @@ def test_a_parameter_a_parent_reads_is_recomputed_on_the_call():
                 assert max((x - y).abs().max().item() for x, y in zip(a, b)) < 1e-6, (stage, ckpt)
 
 
-def _engine(rank: int, ckpt: str | None, stage: int, adapters: bool = False) -> list[torch.Tensor]:
+def _engine(rank: int, ckpt: str | None, stage: int, adapters: bool = False, hidden: bool = False) -> list[torch.Tensor]:
     torch.manual_seed(0)
-    model = _Adapters({"reentrant": True, "nested": "nested"}.get(ckpt, False)) if adapters else _model(ckpt)
+    model = _Adapters({"reentrant": True, "nested": "nested"}.get(ckpt, False), hidden) if adapters else _model(ckpt)
     ds = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
           "zero_optimization": {"stage": stage}}
@@ -206,7 +210,7 @@ def _engine(rank: int, ckpt: str | None, stage: int, adapters: bool = False) -> 
     g = torch.Generator().manual_seed(rank)
     for _ in range(6):
         x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
-        loss = engine(x) if adapters else ((engine(x) - y) ** 2).mean()
+        loss = (engine(x)[0] if hidden else engine(x)) if adapters else ((engine(x) - y) ** 2).mean()
         engine.backward(loss)
         engine.step()
     return [p.detach().clone() for p in engine.module.parameters()] if stage < 3 else \
@@ -249,12 +253,14 @@ def test_every_trained_parameter_inside_reentrant_segments_under_loss_scaling():
 def test_every_trained_parameter_inside_reentrant_segments_through_the_engine():
     """The engine counts such a backward (its sinks are reached by the collector run at the
     backward's end, once: a segment's nested backward does not run one) and trains as without
-    checkpointing."""
+    checkpointing; also when the model returns the first block's output beside the loss, whose
+    marker the backward reaches only after the second block's recomputation."""
     for stage in (0, 2):
-        plain = run_ranks(_engine, 2, None, stage, True)
-        for ckpt in ("reentrant", "nested"):
-            for a, b in zip(plain, run_ranks(_engine, 2, ckpt, stage, True)):
-                assert max((x - y).abs().max().item() for x, y in zip(a, b)) < 1e-6, (stage, ckpt)
+        for hidden in (False, True):
+            plain = run_ranks(_engine, 2, None, stage, True, hidden)
+            for ckpt in ("reentrant", "nested"):
+                for a, b in zip(plain, run_ranks(_engine, 2, ckpt, stage, True, hidden)):
+                    assert max((x - y).abs().max().item() for x, y in zip(a, b)) < 1e-6, (stage, ckpt, hidden)
 
 
 def _late_part(rank: int) -> str:

@@ -94,8 +94,10 @@ class InFlight:
     def nested(self) -> bool:
         """Whether the backward running now is one that a backward through a call's outputs
         started inside itself (reentrant activation checkpointing recomputes and differentiates a
-        segment in a graph task of its own): it belongs to that outer backward."""
-        return bool(self._entered) and graph_task() not in self._entered
+        segment in a graph task of its own): it belongs to that outer backward. One run on another
+        backward's behalf (`task_now`) is not nested: it stands for that one."""
+        task = graph_task()
+        return bool(self._entered) and task not in self._entered and task not in self.acting
 
     def _enter_backward(self, task: int) -> None:
         with self._lock:
