@@ -209,13 +209,14 @@ def test_a_bucket_added_at_once_sums_as_one_by_one(factor):
 @pytest.mark.parametrize("limit", [0, 20, 10**6])
 def test_recomputed_leaves_collect_what_their_backwards_gave(limit):
     """On the local accumulator's path a recomputed forward's parameters are leaves
-    (`zfunc.autograd.buckets.Rebind`): separate backwards (a reentrant checkpoint's segments) accumulate into them
+    (`zfunc.autograd.rebind.Rebind`): separate backwards (a reentrant checkpoint's segments) accumulate into them
     in torch's engine, one parameter in two of them, and `collect` adds it all, times the factor,
     into the accumulator: when more than ``limit`` elements were handed out since the last
     collect, and at the end. Under the limit nothing is added before the end."""
     import types
 
-    from zfunc.autograd.buckets import Rebind, TapPlan
+    from zfunc.autograd.buckets import TapPlan
+    from zfunc.autograd.rebind import Rebind
     from zfunc.autograd.local import _AddLocal
     from zfunc.distributed.layout import Slot
 

@@ -56,7 +56,7 @@ def test_checkpointed_training_is_the_plain_one(world):
 
 def test_small_buckets_under_reentrant_checkpointing():
     """Buckets of a parameter or two: on the local accumulator's path a recomputed segment's
-    gradients are added a bucket's worth at a time (`zfunc.autograd.buckets.Rebind`), so here
+    gradients are added a bucket's worth at a time (`zfunc.autograd.rebind.Rebind`), so here
     at nearly every recomputed module; at the boundary they are reduced bucket by bucket."""
     for world in (1, 2):
         for stage, grad_accum in ((0, 2), (1, 1), (2, 2)):
@@ -146,7 +146,7 @@ def _adapters(rank: int, ckpt: bool | str, stage: int, grad_accum: int, bucket_m
 
 def test_every_trained_parameter_inside_reentrant_segments():
     """The backward never reaches the call's collector: the reduces the segments' gradients started
-    are finished, and their sum added, when it ends (`zfunc.autograd.buckets.Rebind.settle`)."""
+    are finished, and their sum added, when it ends (`zfunc.autograd.rebind.Rebind.settle`)."""
     for world in (2, 3):
         for stage, grad_accum, bucket_mb, accum in ((0, 1, 25.0, torch.float32), (1, 2, 25.0, torch.float32),
                                                      (2, 1, 25.0, torch.float32), (2, 2, 1e-4, torch.float32),

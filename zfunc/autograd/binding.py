@@ -157,7 +157,7 @@ class ModuleBinding(Routing):
         # accumulator, the bucket reduces' staging buffers and results.
         self.pool = Pool()
         self.gather_plan: GatherPlan | None = None  # stages 1-2 with units
-        # The calls whose backward can still run (a `zfunc.autograd.buckets.Rebind` at stages 0-2, a
+        # The calls whose backward can still run (a `zfunc.autograd.rebind.Rebind` at stages 0-2, a
         # `UnitGatherer` at stage 3; each graph keeps its own), for a forward recomputed in
         # backward (`_source`): a weak reference each, whose callback detaches the hooks once the
         # last graph is gone; and what the recompute hooks swapped, per module.

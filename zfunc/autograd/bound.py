@@ -29,7 +29,8 @@ from zfunc.autograd.swap import put_back, swap_in
 from zfunc._tree import tree
 from zfunc.autograd import calls
 from zfunc.autograd.average import Average, ranks_averaged
-from zfunc.autograd.buckets import Fold, Rebind, bucket_views
+from zfunc.autograd.buckets import Fold, bucket_views
+from zfunc.autograd.rebind import Rebind
 from zfunc.autograd.local import local_views
 from zfunc.autograd.forward_gather import ROOT, Gathering, UnitViews, start_gathers
 from zfunc.autograd.gather import UnitGatherer, check_same_units

@@ -83,7 +83,7 @@ class InFlight:
 
     def task_now(self) -> int:
         """The graph task of the backward running now, or, for one zfunc runs at another's end on
-        its behalf (`zfunc.autograd.buckets.Rebind.settle`), that other's."""
+        its behalf (`zfunc.autograd.rebind.Rebind.settle`), that other's."""
         task = graph_task()
         return self.acting.get(task, task)
 

@@ -8,6 +8,7 @@ instead).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 from typing import TYPE_CHECKING
@@ -15,7 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from zfunc.autograd.average import Average
-from zfunc.autograd.buckets import Bucket, Collect, Rebind, _bucket_taps, _flat_if_free, _keep, _largest, _shaped, tap_plan
+from zfunc.autograd.buckets import Bucket, Collect, _bucket_taps, _flat_if_free, _keep, _largest, _shaped, tap_plan
+from zfunc.autograd.rebind import Rebind
 from zfunc.distributed.widen import add_into
 
 if TYPE_CHECKING:
@@ -110,6 +112,6 @@ def local_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, ..
     add, inplace = _AddLocal(sink, avg), _InPlace(sink)
     hub = Collect.apply(inplace, sink)
     plan = tap_plan(state.binding, "local", buckets)
-    rebind = _keep(hub, Rebind(state.compute, plan, add.many, _largest(buckets), inplace, (sink,),
-                               state.binding.flight))
+    rebind = _keep(hub, Rebind(state.compute, plan, add.many, _largest(buckets),
+                               functools.partial(Collect.apply, inplace, sink), state.binding.flight))
     return _bucket_taps(hub, state.compute, add.many, plan), rebind

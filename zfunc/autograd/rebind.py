@@ -1,0 +1,141 @@
+"""A call's parameters again for a forward that activation checkpointing recomputes during
+backward, outside zfunc's call (`Rebind`): leaves over the call's compute buffer whose gradients
+reach the call's gradient path in batches, and, for a backward that never reaches the call's
+collector, a collector run at its end on its behalf.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from zfunc._probes import graph_task
+from zfunc.autograd.calls import at_backward_end, note_backwards
+
+if TYPE_CHECKING:
+    from zfunc.autograd.buckets import TapPlan
+
+__all__ = ["Rebind"]
+
+
+class Rebind:
+    """A forward call's parameters again, for a forward that autograd recomputes during backward
+    (activation checkpointing runs the module outside zfunc's call): leaves over the same compute
+    buffer, made per backward when a recomputed module first asks for them and shared by every
+    module recomputed in it. Under non-reentrant checkpointing only their values matter (the
+    call's own graph carries the gradients). Under reentrant checkpointing each segment's own
+    backward accumulates its gradients into those leaves' ``.grad`` in torch's engine, as torch
+    does for a plain model (a Python node of zfunc's per segment costs more than the segment's
+    arithmetic in a model of small layers), and `collect` hands them to ``take(keys, grads)``, the
+    call's batch taker: once more than ``limit`` elements (a bucket's) were handed out since the
+    last collect, when the collector runs, and when the backward ends. So at most about a bucket of
+    gradient waits outside the accumulator, and buckets still complete, and start their reduce,
+    one after another during backward. The call's graph keeps the rebind alive, and nothing else:
+    it exists exactly while the call's backward can still run.
+
+    Examples:
+        >>> import torch
+        >>> from zfunc.autograd.buckets import TapPlan
+        >>> from zfunc.distributed.layout import Slot
+        >>> got = []
+        >>> rb = Rebind(torch.arange(4.0), TapPlan.of([[(0, Slot("w", (2, 2), 0))]]), lambda k, g: got.extend(g), 100)
+        >>> w = rb.views(["w"])["w"]
+        >>> (w * 3).sum().backward(); w.is_leaf, w.tolist(), got
+        (True, [[0.0, 1.0], [2.0, 3.0]], [])
+        >>> rb.collect(); got[0].tolist()
+        [[3.0, 3.0], [3.0, 3.0]]
+    """
+
+    def __init__(self, compute: torch.Tensor, plan: TapPlan, take: Any, limit: int,
+                 collector: Callable[[], torch.Tensor] | None = None, flight: Any = None):
+        self.compute, self.plan, self.take, self.limit = compute, plan, take, limit
+        self.collector, self.flight = collector, flight  # what `settle` needs: a new collector node
+        self._owed = False  # gradients handed over since the call's collector last ran
+        self.frozen: dict[str, torch.Tensor] = {}  # the call's frozen parameters, by name
+        self.tasks: set[int] = set()  # the backwards that differentiate this call (`zfunc._probes.graph_task`)
+        self._made: dict[int, dict[str, torch.Tensor]] = {}  # by backward (graph task): the leaves made in it
+        self._since = 0  # elements handed out since the last collect
+
+    def views(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Parameters ``names`` (trained or frozen) as the call had them."""
+        task = graph_task()
+        made = self._made.get(task)
+        if made is None:
+            made = self._made[task] = {}
+            if task != -1:  # collected and forgotten when that backward ends
+                at_backward_end(functools.partial(_backward_ended, weakref.ref(self), task))
+        out = {}
+        for n in names:
+            if n in self.frozen:
+                out[n] = self.frozen[n]
+                continue
+            leaf = made.get(n)
+            if leaf is None:
+                _, (offset, shape, stride) = self.plan.by_name[n]
+                c = self.compute
+                leaf = c.as_strided(shape, stride, c.storage_offset() + offset)
+                made[n] = leaf = (leaf.detach() if c.requires_grad else leaf).requires_grad_()
+                self._since += leaf.numel()
+                if self._since > self.limit:  # the earlier segments' backwards are done: theirs in
+                    self.collect(made)
+            out[n] = leaf
+        return out
+
+    def collect(self, made: dict[str, torch.Tensor] | None = None) -> None:
+        """Hand ``take`` the gradients the leaves of ``made`` (else of the backward running now)
+        hold, and clear them."""
+        made = self._made.get(graph_task()) if made is None else made
+        self._since = 0
+        if not made:
+            return
+        keys, grads, by_name = [], [], self.plan.by_name
+        for name, leaf in made.items():
+            g = leaf.grad
+            if g is not None:
+                leaf.grad = None
+                keys.append(by_name[name][0])
+                grads.append(g)
+        if keys:
+            self._owed = True
+            self.take(tuple(keys), tuple(grads))
+
+    def settle(self) -> None:
+        """A backward through the call's outputs ends. If gradients were handed over since the
+        call's collector last ran (its graph held none of the taps of the call's forward: every
+        trained parameter was used inside reentrant checkpoints, whose own backwards delivered the
+        gradients), run a collector of the same reducer now: it finishes the reduces they started
+        and hands the sinks the result, as the call's collector would have (the sinks' hooks run
+        too, and see the backward that ends, ``flight.task_now``: the engine counts it and checks
+        its loss scale). A backward nested in it (a segment's) does not settle: its outer one does."""
+        if not self._owed or self.collector is None:
+            return
+        self._owed = False
+        outer, ran = graph_task(), []  # (autograd's final callbacks run in the backward that ends)
+        with torch.enable_grad():
+            hub = self.collector()
+
+        def acts(task: int) -> None:
+            ran.append(task)
+            self.flight.acting[task] = outer
+
+        if self.flight is not None:
+            note_backwards(hub, acts)
+        try:
+            hub.backward()
+        finally:
+            for task in ran:
+                self.flight.acting.pop(task, None)
+
+
+def _backward_ended(ref: weakref.ref, task: int) -> None:
+    rebind = ref()
+    if rebind is not None:
+        made = rebind._made.pop(task, None)
+        if made is not None:
+            rebind.collect(made)
+            if task in rebind.tasks:  # through the call's outputs, not a segment's nested backward
+                rebind.settle()
