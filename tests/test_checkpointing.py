@@ -146,11 +146,14 @@ def _adapters(rank: int, ckpt: bool | str, stage: int, grad_accum: int, bucket_m
 
 def test_every_trained_parameter_inside_reentrant_segments():
     """The backward never reaches the call's collector: the reduces the segments' gradients started
-    are finished, and their sum added, when it ends (`zfunc.autograd.rebind.Rebind.settle`)."""
+    are finished, and their sum added, when it ends (`zfunc.autograd.rebind.Rebind.settle`). At
+    stage 3 a nested segment's first run (under ``no_grad``) gathers the root for itself alone: its
+    inner segments' recomputation gathers it again, differentiably."""
     for world in (2, 3):
         for stage, grad_accum, bucket_mb, accum in ((0, 1, 25.0, torch.float32), (1, 2, 25.0, torch.float32),
                                                      (2, 1, 25.0, torch.float32), (2, 2, 1e-4, torch.float32),
-                                                     (2, 1, 25.0, torch.bfloat16)):  # bf16: the sum added after
+                                                     (2, 1, 25.0, torch.bfloat16),  # bf16: the sum added after
+                                                     (3, 1, 25.0, torch.float32), (3, 2, 25.0, torch.float32)):
             plain = run_ranks(_adapters, world, False, stage, grad_accum, bucket_mb, accum)
             for ckpt in (True, "nested"):
                 for a, b in zip(plain, run_ranks(_adapters, world, ckpt, stage, grad_accum, bucket_mb, accum)):
@@ -226,36 +229,40 @@ def test_checkpointing_through_the_engine():
                 assert diff == 0 if ckpt == "non_reentrant" else diff < 1e-6, f"stage {stage} {ckpt}: {diff}"
 
 
-def _fp16_engine(rank: int, ckpt: str | None, how: str) -> list[torch.Tensor]:
+def _fp16_engine(rank: int, ckpt: str | None, how: str, stage: int = 1) -> list[torch.Tensor]:
     """Three steps of an fp16 engine (loss scaling) over `_Adapters`, the loss through
     ``engine.backward`` or ``engine.scale(loss).backward()``."""
     torch.manual_seed(0)
     ds = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-          "zero_optimization": {"stage": 1}, "fp16": {"enabled": True, "initial_scale_power": 8}}
+          "zero_optimization": {"stage": stage}, "fp16": {"enabled": True, "initial_scale_power": 8}}
     engine, *_ = zfunc.initialize(model=_Adapters(ckpt == "reentrant"), config=ds)
     g = torch.Generator().manual_seed(rank)
     for _ in range(3):
         loss = engine(torch.randn(4, 8, generator=g))
         engine.backward(loss) if how == "backward" else engine.scale(loss).backward()
         engine.step()
+    if stage == 3:
+        return [p.float() for p in zfunc.full_params(engine.state).values()]
     return [p.detach().float().clone() for p in engine.module.parameters()]
 
 
 def test_every_trained_parameter_inside_reentrant_segments_under_loss_scaling():
     """The collector run at such a backward's end acts for it: the engine sees the scaled seed
     (`engine.backward`) or the scaled loss (`engine.scale`) of the backward that ends."""
-    for how in ("backward", "scale"):
-        plain = run_ranks(_fp16_engine, 2, None, how)
-        for a, b in zip(plain, run_ranks(_fp16_engine, 2, "reentrant", how)):
-            assert max((x - y).abs().max().item() for x, y in zip(a, b)) == 0, how
+    for stage, how in ((1, "backward"), (1, "scale"), (3, "backward"), (3, "scale")):
+        plain = run_ranks(_fp16_engine, 2, None, how, stage)
+        for a, b in zip(plain, run_ranks(_fp16_engine, 2, "reentrant", how, stage)):
+            assert max((x - y).abs().max().item() for x, y in zip(a, b)) == 0, (stage, how)
 
 
 def test_every_trained_parameter_inside_reentrant_segments_through_the_engine():
     """The engine counts such a backward (its sinks are reached by the collector run at the
     backward's end, once: a segment's nested backward does not run one) and trains as without
     checkpointing; also when the model returns the first block's output beside the loss, whose
-    marker the backward reaches only after the second block's recomputation."""
-    for stage in (0, 2):
+    marker the backward reaches only after the second block's recomputation. At stage 3 the
+    segments' own backwards reduce-scatter into the sinks: the engine counts them as the backward
+    they run inside (`zfunc.autograd.calls.InFlight.enclosing`)."""
+    for stage in (0, 2, 3):
         for hidden in (False, True):
             plain = run_ranks(_engine, 2, None, stage, True, hidden)
             for ckpt in ("reentrant", "nested"):

@@ -11,12 +11,16 @@ Trainer logs, and the weights ``trainer.save_model`` wrote (by name).
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m zfunc.compat.as_deepspeed \\
         tests/hf/trainer_run.py --out /tmp/zf z1_fp32_gas2 ...
 
-A case name is ``z<stage>_<fp32|bf16>_gas<n>[_sgd][_resume][_fromconfig|_pretrained]``: ``_sgd``
+A case name is ``z<stage>_<fp32|bf16>_gas<n>[_sgd][_resume][_fromconfig|_pretrained][_frozen][_gc|_gcr]``: ``_sgd``
 trains with Trainer's own optimizer (``torch.optim.SGD``, no clipping, no DeepSpeed ``optimizer``
 block); ``_resume`` stops at half the steps with a ``save_steps`` checkpoint and resumes from it
 in a fresh Trainer; ``_fromconfig`` builds the model with ``AutoModelForCausalLM.from_config`` and
 ``_pretrained`` with ``from_pretrained`` of a checkpoint rank 0 saves first, both after the
-``TrainingArguments`` (so under Transformers' ZeRO-3 model building at stage 3).
+``TrainingArguments`` (so under Transformers' ZeRO-3 model building at stage 3). ``_frozen``
+trains the transformer blocks alone (embeddings and the final norm frozen, as adapters leave a
+model); ``_gc`` turns on ``activation_checkpointing`` (Transformers' default, non-reentrant, with
+the input embeddings made to require grad), ``_gcr`` the same with ``use_reentrant=True``: with
+``_frozen``, every trained parameter is inside a reentrant segment.
 
 ``--reference`` applies the one accommodation DeepSpeed needs on a CPU machine under Accelerate
 1.15 (with DeepSpeed on and no GPU, ``PartialState`` finds no backend and sets one process): it
@@ -39,11 +43,12 @@ STEPS = 4
 
 
 def parse_case(name: str) -> dict:
-    m = re.fullmatch(r"z([123])_(fp32|bf16)_gas(\d)((?:_sgd|_resume)*)(_fromconfig|_pretrained)?", name)
+    m = re.fullmatch(r"z([123])_(fp32|bf16)_gas(\d)((?:_sgd|_resume)*)(_fromconfig|_pretrained)?(_frozen)?(_gcr?)?", name)
     if m is None:
         raise SystemExit(f"bad case name {name!r}")
     return {"stage": int(m[1]), "precision": m[2], "gas": int(m[3]), "sgd": "_sgd" in m[4],
-            "resume": "_resume" in m[4], "build": (m[5] or "")[1:]}
+            "resume": "_resume" in m[4], "build": (m[5] or "")[1:], "frozen": bool(m[6]),
+            "checkpointing": (m[7] or "")[1:]}
 
 
 def ds_config(case: dict) -> dict:
@@ -76,8 +81,13 @@ def trainer(case: dict, out: str, steps: int):
         max_steps=steps, learning_rate=3e-3, weight_decay=0.01, warmup_steps=2, max_grad_norm=1.0,
         logging_steps=1, save_strategy="steps" if case["resume"] else "no", save_steps=STEPS // 2,
         report_to=[], seed=42, data_seed=42, dataloader_num_workers=0, disable_tqdm=True,
-        bf16=case["precision"] == "bf16", deepspeed=ds_config(case))
+        bf16=case["precision"] == "bf16", deepspeed=ds_config(case),
+        activation_checkpointing=bool(case["checkpointing"]),
+        activation_checkpointing_kwargs={"use_reentrant": True} if case["checkpointing"] == "gcr" else None)
     m = model(case["build"], out)
+    if case["frozen"]:
+        for name, p in m.named_parameters():
+            p.requires_grad_(name.startswith("transformer.h."))
     kwargs = {}
     if case["sgd"]:
         opt = torch.optim.SGD(m.parameters(), lr=3e-2)

@@ -51,6 +51,7 @@ class InFlight:
         self.backwards = 0
         self._running: dict[int, list[Any]] = {}  # thread -> its calls, innermost last
         self._entered: dict[int, int] = {}  # graph task -> backwards through it
+        self._threads: dict[int, int] = {}  # graph task -> the thread that entered it (`enclosing`)
         self.acting: dict[int, int] = {}  # graph task -> the backward it runs for (`task_now`)
         self._lock = threading.Lock()
 
@@ -99,9 +100,19 @@ class InFlight:
         task = graph_task()
         return bool(self._entered) and task not in self._entered and task not in self.acting
 
+    def enclosing(self) -> int | None:
+        """For a nested backward (`nested`): the backward through a call's outputs it runs inside,
+        the one this thread entered (on CUDA, autograd's device thread runs both), or None when that
+        is not one backward."""
+        me = threading.get_ident()
+        with self._lock:
+            outer = [task for task, thread in self._threads.items() if thread == me]
+        return outer[0] if len(outer) == 1 else None
+
     def _enter_backward(self, task: int) -> None:
         with self._lock:
             self._entered[task] = self._entered.get(task, 0) + 1
+            self._threads[task] = threading.get_ident()
             self.backwards += 1
 
     def _leave_backward(self, task: int) -> None:
@@ -110,6 +121,7 @@ class InFlight:
             self._entered[task] -= 1
             if self._entered[task] == 0:
                 del self._entered[task]
+                self._threads.pop(task, None)
 
 
 def _entered(call: Any, flight: InFlight, task: int) -> None:

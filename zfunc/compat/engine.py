@@ -156,11 +156,12 @@ class Engine(ConfigAccessors, WeightsOut, torch.nn.Module):
         segment that reentrant checkpointing differentiates inside it is part of it); under loss
         scaling, refuse one whose seed did not carry the scale (DeepSpeed's rule): neither an
         engine's ``backward`` nor a loss from `scale`."""
-        task = self._state.binding.flight.task_now()
-        if task in self._tasks or self._state.binding.flight.nested():
+        flight = self._state.binding.flight
+        task = flight.enclosing() if flight.nested() else flight.task_now()
+        if task is None or task in self._tasks:
             return
         self._tasks.add(task)
-        scaled = average.seeded_now(self._state.binding.flight) or task in self._scaled_tasks
+        scaled = average.seeded_now(flight) or task in self._scaled_tasks
         self._scaled_tasks.discard(task)
         if self.cfg.loss_scale is not None and not scaled:
             self._tasks, self._losses = set(), []
