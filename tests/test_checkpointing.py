@@ -364,6 +364,31 @@ def test_a_pullback_recomputes_on_its_own_call():
                     assert torch.equal(a, b), f"stage {stage} {ckpt} {between}"
 
 
+def _nested_pullback(rank: int, stage: int, ckpt: bool | str, second: bool) -> torch.Tensor:
+    """A vjp of `_Adapters` (reentrant segments, or segments nested in one) pulled back while a
+    second vjp's graph lives (``second``) or alone."""
+    torch.manual_seed(0)
+    state = zfunc.init(_Adapters(ckpt), zfunc.Config(stage=stage))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    out, pullback = zfunc.vjp(state, lambda m, x: m(x), x)
+    kept = zfunc.vjp(state, lambda m, x: m(x), x * 3) if second else None
+    grads = pullback(torch.ones_like(out)).grads.clone()
+    del kept
+    return grads
+
+
+def test_a_nested_segment_recomputes_on_its_call_while_another_graph_lives():
+    """An inner segment's recomputation runs in the outer segment's own backward, which reached no
+    call's outputs: it belongs to the call of the backward it runs inside
+    (`zfunc.autograd.calls.InFlight.enclosing`), not to either of the two live calls at random
+    (refused as ambiguous)."""
+    for stage in (0, 2, 3):
+        for ckpt in (True, "nested"):
+            alone = run_ranks(_nested_pullback, 2, stage, ckpt, False)
+            for a, b in zip(alone, run_ranks(_nested_pullback, 2, stage, ckpt, True)):
+                assert torch.equal(a, b), (stage, ckpt)
+
+
 def _kept_aux(rank: int, stage: int, ckpt: str) -> list[torch.Tensor]:
     """backward_step with the outputs returned as aux and kept (as loops keep logits for metrics)."""
     units = ["blocks.0", "blocks.1"] if stage == 3 else None

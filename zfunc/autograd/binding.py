@@ -356,8 +356,9 @@ class ModuleBinding(Routing):
 
     def _source(self, task: int | None = None) -> Any:
         """The call whose backward is running now, for a forward recomputed in it: among the calls
-        whose graph lives, the one this backward entered through its outputs (the marker on their
-        nodes notes the graph task on it, `zfunc.autograd.calls`), else the only one. Two are
+        whose graph lives, the one this backward (or, for a reentrant segment's own backward, the
+        one it runs inside) entered through its outputs (the marker on their nodes notes the graph
+        task on it, `zfunc.autograd.calls`), else the only one. Two are
         ambiguous: refused. Kept for the backward's next recomputed module (a graph task's id is
         never reused)."""
         task = graph_task() if task is None else task
@@ -369,7 +370,11 @@ class ModuleBinding(Routing):
         with self._users_lock:  # another thread may add a call meanwhile
             live = [c for c in (ref() for ref in self._watch) if c is not None]
             generation = self._generation
-        mine = [c for c in live if task in c.tasks] or live
+        mine = [c for c in live if task in c.tasks]
+        if not mine and self.flight.nested():  # a reentrant segment's own backward: its outer one's call
+            outer = self.flight.enclosing()
+            mine = [c for c in live if outer in c.tasks]
+        mine = mine or live
         if len(mine) > 1:
             raise RuntimeError(
                 f"activation checkpointing recomputes part of {type(self.module).__name__} during backward, "
