@@ -51,7 +51,7 @@ class InFlight:
         self.backwards = 0
         self._running: dict[int, list[Any]] = {}  # thread -> its calls, innermost last
         self._entered: dict[int, int] = {}  # graph task -> backwards through it
-        self._threads: dict[int, int] = {}  # graph task -> the thread that entered it (`enclosing`)
+        self._threads: dict[int, set[int]] = {}  # graph task -> the threads its markers ran in (`enclosing`)
         self.acting: dict[int, int] = {}  # graph task -> the backward it runs for (`task_now`)
         self._lock = threading.Lock()
 
@@ -103,16 +103,16 @@ class InFlight:
     def enclosing(self) -> int | None:
         """For a nested backward (`nested`): the backward through a call's outputs it runs inside,
         the one this thread entered (on CUDA, autograd's device thread runs both), or None when that
-        is not one backward."""
+        is not one backward (two entered from this thread: not told apart, so not guessed)."""
         me = threading.get_ident()
         with self._lock:
-            outer = [task for task, thread in self._threads.items() if thread == me]
+            outer = [task for task, threads in self._threads.items() if me in threads]
         return outer[0] if len(outer) == 1 else None
 
     def _enter_backward(self, task: int) -> None:
         with self._lock:
             self._entered[task] = self._entered.get(task, 0) + 1
-            self._threads[task] = threading.get_ident()
+            self._threads.setdefault(task, set()).add(threading.get_ident())
             self.backwards += 1
 
     def _leave_backward(self, task: int) -> None:

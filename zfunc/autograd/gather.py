@@ -288,16 +288,16 @@ class UnitGatherer:
         checkpointing, outside zfunc's call): the root gathered again once, its gradient
         reduce-scattered into its sink directly (`comm.unit_params`)."""
         frozen = self.state.frozen
-        root = self._root_again
-        if root is None and any(n not in frozen for n in names):
+        if self._root_again is None and any(n not in frozen for n in names):
             lay = self.state.layout
-            root = {}
-            for i, unit in enumerate(lay.units):
-                if unit.name == "root":
-                    root.update(lay.views(unit, self.gather(i)))
-            if torch.is_grad_enabled():  # kept; a no-grad gather (a nested segment's first run) is not
-                self._root_again = root
-        return {n: frozen[n] if n in frozen else root[n] for n in names}
+            self._root_again = {}
+            # Differentiable even in a run under no_grad (a nested segment's first run): the inner
+            # segments' recomputations use the same gathered root, and their gradients must reach it.
+            with torch.enable_grad():
+                for i, unit in enumerate(lay.units):
+                    if unit.name == "root":
+                        self._root_again.update(lay.views(unit, self.gather(i)))
+        return {n: frozen[n] if n in frozen else self._root_again[n] for n in names}
 
     def enter(self, i: int, slots: list[tuple[str, torch.nn.Module, str]]) -> None:
         """Unit ``i``'s module starts: its parameters become views of the gathered unit, and
