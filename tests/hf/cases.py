@@ -18,7 +18,8 @@ TRAINER_FP32 = ["z1_fp32_gas1", "z1_fp32_gas2", "z2_fp32_gas1", "z2_fp32_gas2", 
                 # activation checkpointing, non-reentrant and reentrant; the blocks alone trained
                 "z2_fp32_gas2_gc", "z2_fp32_gas2_gcr", "z3_fp32_gas2_gc", "z3_fp32_gas2_gcr",
                 "z2_fp32_gas2_frozen_gcr", "z3_fp32_gas2_frozen_gcr"]
-TRAINER_BF16 = ["z1_bf16_gas2", "z2_bf16_gas2", "z3_bf16_gas1", "z3_bf16_gas2", "z3_bf16_gas2_pretrained"]
+TRAINER_BF16 = ["z1_bf16_gas2", "z2_bf16_gas2", "z3_bf16_gas1", "z3_bf16_gas2", "z3_bf16_gas2_pretrained",
+                "z3_bf16_gas2_frozen_gcr"]
 ACCELERATE = ["acc_z1_fp32_gas2", "acc_z2_fp32_gas1", "acc_z2_fp32_gas2", "acc_z3_fp32_gas2", "acc_z2_bf16_gas2",
               "acc_z3_bf16_gas2"]
 LIGHTNING = ["pl_z1_fp32_gas2", "pl_z2_fp32_gas1", "pl_z2_fp32_gas2", "pl_z3_fp32_gas2"]
