@@ -230,12 +230,13 @@ def test_checkpointing_through_the_engine():
 
 
 def _fp16_engine(rank: int, ckpt: str | None, how: str, stage: int = 1) -> list[torch.Tensor]:
-    """Three steps of an fp16 engine (loss scaling) over `_Adapters`, the loss through
+    """Three steps of an fp16 engine (loss scaling) over `_Adapters` (``ckpt``: None,
+    ``"reentrant"`` or ``"nested"``), the loss through
     ``engine.backward`` or ``engine.scale(loss).backward()``."""
     torch.manual_seed(0)
     ds = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
           "zero_optimization": {"stage": stage}, "fp16": {"enabled": True, "initial_scale_power": 8}}
-    engine, *_ = zfunc.initialize(model=_Adapters(ckpt == "reentrant"), config=ds)
+    engine, *_ = zfunc.initialize(model=_Adapters({"reentrant": True, "nested": "nested"}.get(ckpt, False)), config=ds)
     g = torch.Generator().manual_seed(rank)
     for _ in range(3):
         loss = engine(torch.randn(4, 8, generator=g))
@@ -251,8 +252,9 @@ def test_every_trained_parameter_inside_reentrant_segments_under_loss_scaling():
     (`engine.backward`) or the scaled loss (`engine.scale`) of the backward that ends."""
     for stage, how in ((1, "backward"), (1, "scale"), (3, "backward"), (3, "scale")):
         plain = run_ranks(_fp16_engine, 2, None, how, stage)
-        for a, b in zip(plain, run_ranks(_fp16_engine, 2, "reentrant", how, stage)):
-            assert max((x - y).abs().max().item() for x, y in zip(a, b)) == 0, (stage, how)
+        for ckpt in ("reentrant", "nested") if stage == 3 else ("reentrant",):
+            for a, b in zip(plain, run_ranks(_fp16_engine, 2, ckpt, how, stage)):
+                assert max((x - y).abs().max().item() for x, y in zip(a, b)) == 0, (stage, how, ckpt)
 
 
 def test_every_trained_parameter_inside_reentrant_segments_through_the_engine():
