@@ -12,7 +12,9 @@ weights ``get_state_dict`` returned and the unwrapped module's parameter names.
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m zfunc.compat.as_deepspeed \\
         tests/hf/accelerate_run.py --out /tmp/zf acc_z2_fp32_gas2 ...
 
-A case name is ``acc_z<stage>_<fp32|bf16>_gas<n>``.
+A case name is ``acc_z<stage>_<fp32|bf16>_gas<n>[_frozen][_gc|_gcr]``: ``_frozen`` trains the
+transformer blocks alone; ``_gc`` turns on the model's ``gradient_checkpointing_enable``
+(non-reentrant), ``_gcr`` with ``use_reentrant=True``.
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ STEPS = 4
 
 
 def parse_case(name: str) -> dict:
-    m = re.fullmatch(r"acc_z([123])_(fp32|bf16)_gas(\d)", name)
+    m = re.fullmatch(r"acc_z([123])_(fp32|bf16)_gas(\d)(_frozen)?(_gcr?)?", name)
     if m is None:
         raise SystemExit(f"bad case name {name!r}")
-    return {"stage": int(m[1]), "precision": m[2], "gas": int(m[3])}
+    return {"stage": int(m[1]), "precision": m[2], "gas": int(m[3]), "frozen": bool(m[4]),
+            "checkpointing": (m[5] or "")[1:]}
 
 
 def accelerator(case: dict):
@@ -52,7 +55,12 @@ def accelerator(case: dict):
 def prepared(case: dict):
     acc = accelerator(case)
     m = model()
-    opt = torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.01)
+    if case["frozen"]:  # the transformer blocks alone trained
+        for name, p in m.named_parameters():
+            p.requires_grad_(name.startswith("transformer.h."))
+    if case["checkpointing"]:
+        m.gradient_checkpointing_enable({"use_reentrant": case["checkpointing"] == "gcr"})
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 2))
     loader = torch.utils.data.DataLoader(dataset(), batch_size=MICRO, shuffle=False)
     m, opt, loader, sched = acc.prepare(m, opt, loader, sched)

@@ -21,7 +21,7 @@ TRAINER_FP32 = ["z1_fp32_gas1", "z1_fp32_gas2", "z2_fp32_gas1", "z2_fp32_gas2", 
 TRAINER_BF16 = ["z1_bf16_gas2", "z2_bf16_gas2", "z3_bf16_gas1", "z3_bf16_gas2", "z3_bf16_gas2_pretrained",
                 "z3_bf16_gas2_frozen_gcr"]
 ACCELERATE = ["acc_z1_fp32_gas2", "acc_z2_fp32_gas1", "acc_z2_fp32_gas2", "acc_z3_fp32_gas2", "acc_z2_bf16_gas2",
-              "acc_z3_bf16_gas2"]
+              "acc_z3_bf16_gas2", "acc_z3_fp32_gas2_frozen_gcr"]
 LIGHTNING = ["pl_z1_fp32_gas2", "pl_z2_fp32_gas1", "pl_z2_fp32_gas2", "pl_z3_fp32_gas2"]
 RUNS = {"trainer_run.py": TRAINER_FP32 + TRAINER_BF16, "accelerate_run.py": ACCELERATE,
         "lightning_run.py": LIGHTNING}
