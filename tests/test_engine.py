@@ -351,6 +351,47 @@ def test_second_order_terms_are_exact_through_inputs_and_refused_through_paramet
             assert diff <= 2e-6, diff  # grad_accum 1 on one rank: the penalty trains as in torch
 
 
+def _stray(rank: int, stage: int, how: str) -> tuple[str, float]:
+    """A gradient that reaches engine.module's own parameters outside the engine's forward (an L2
+    penalty over ``engine.module.parameters()``, or the last layer called directly on a hidden
+    output): step() refuses it and drops the step's gradients; the next plain step trains as the
+    reference does."""
+    engine, *_ = zfunc.initialize(model=_model(), config=_ds(stage))
+    ref = _model()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    x, y = _data(0, rank)
+    loss = nn.functional.cross_entropy(engine(x), y)
+    if how == "penalty":
+        loss = loss + 1e-2 * sum(p.square().sum() for p in engine.module.parameters())
+    else:
+        loss = loss + engine.module[2](torch.tanh(torch.ones(2, 7))).sum()
+    engine.backward(loss)
+    try:
+        engine.step()
+        said = "accepted"
+    except RuntimeError as e:
+        said = str(e)
+    assert all(p.grad is None for p in engine.module.parameters())
+    x, y = _data(1, rank)
+    engine.backward(nn.functional.cross_entropy(engine(x), y))
+    engine.step()
+    xs, ys = zip(*(_data(1, r) for r in range(zfunc.comm.world().size)))
+    nn.functional.cross_entropy(ref(torch.cat(xs)), torch.cat(ys)).backward()
+    opt.step()
+    full = zfunc.full_params(engine.state)
+    return said, max((full[n] - p).abs().max().item() for n, p in ref.named_parameters())
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_gradient_outside_the_engines_forward_is_refused(stage):
+    """(At stage 3 the module's parameters are empty between forwards, as DeepSpeed's partitioned
+    ones: a submodule called directly fails in torch already; the penalty reads empty tensors.)"""
+    for how in ("penalty", "submodule") if stage < 3 else ("penalty",):
+        for said, diff in run_ranks(_stray, 2, stage, how):
+            assert "reached engine.module's own parameter(s)" in said and "weight_decay" in said, said
+            assert diff < 2e-6, (how, diff)
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_the_engine_is_a_module_wrapping_the_users_and_destroy_gives_it_back(stage):
     torch.manual_seed(0)

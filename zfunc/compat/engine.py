@@ -149,6 +149,9 @@ class Engine(ConfigAccessors, WeightsOut, torch.nn.Module):
             sink.register_post_accumulate_grad_hook(_weakly(self, Engine._grad_arrived))
         self._tasks, self._losses = set(), []
         self._share_module_params()
+        # The module's own parameters and the gradient each held then: one that gets another
+        # reached them outside the engine's forward, and would be dropped (`_refuse_stray_grads`).
+        self._own = [(name, p, p.grad) for name, p in self.module.named_parameters()]
         register_params(self)  # for zfunc.utils' accessors (DeepSpeed's deepspeed.utils)
 
     def _grad_arrived(self, _: torch.Tensor) -> None:
@@ -319,11 +322,35 @@ class Engine(ConfigAccessors, WeightsOut, torch.nn.Module):
             raise RuntimeError(
                 "engine.step(): no backward reached the model since the last step(); call engine.backward(loss) "
                 "(or loss.backward()) on a loss computed with engine(...) first. Nothing was changed")
+        self._refuse_stray_grads()
         self._stepping = True
         try:
             self._step(lr_kwargs)
         finally:
             self._stepping = False
+
+    def _refuse_stray_grads(self) -> None:
+        """A gradient in the ``.grad`` of one of the module's own parameters came from outside the
+        engine's forward (which runs on the state): a term computed from
+        ``engine.module.parameters()``, a submodule called directly, a reentrant checkpoint whose
+        segment reads a parameter without calling the module holding it. DeepSpeed would train on
+        it; here it would be dropped, so it is refused, with the gradients since the last step."""
+        stray = [name for name, p, before in self._own if p.grad is not None and p.grad is not before]
+        if not stray:
+            return
+        for _, p, before in self._own:
+            p.grad = before
+        self._tasks, self._losses, self._scaled_tasks = set(), [], set()
+        self.zero_grad()
+        shown = ", ".join(stray[:3]) + (f" and {len(stray) - 3} more" if len(stray) > 3 else "")
+        raise RuntimeError(
+            f"engine.step(): a gradient reached engine.module's own parameter(s) {shown} outside the engine's "
+            "forward: a term computed from engine.module.parameters() (a penalty), a submodule called directly "
+            "after engine(...) returned, or a reentrant activation checkpoint whose segment reads a parameter "
+            "without calling the module that holds it. The engine trains its state, which the forward runs on, "
+            "so that gradient would be dropped. Compute the term inside the model's forward (use weight_decay "
+            "for an L2 penalty), or use_reentrant=False for the checkpoint. The gradients accumulated since the "
+            "last step() were dropped")
 
     def _step(self, lr_kwargs: Mapping[str, Any] | None) -> None:
         boundary = self.is_gradient_accumulation_boundary()
