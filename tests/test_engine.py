@@ -353,24 +353,33 @@ def test_second_order_terms_are_exact_through_inputs_and_refused_through_paramet
 
 def _stray(rank: int, stage: int, how: str) -> tuple[str, float]:
     """A gradient that reaches engine.module's own parameters outside the engine's forward (an L2
-    penalty over ``engine.module.parameters()``, or the last layer called directly on a hidden
-    output): step() refuses it and drops the step's gradients; the next plain step trains as the
-    reference does."""
-    engine, *_ = zfunc.initialize(model=_model(), config=_ds(stage))
+    penalty over ``engine.module.parameters()``, also over gradients a backward left on the model
+    before initialize; or the last layer called directly on a hidden output): step() refuses it
+    and drops the step's gradients; the next plain step trains as the reference does. A penalty
+    on parameters the client's optimizer leaves out (frozen in the state) is not refused."""
+    model, x, y = _model(), *_data(0, rank)
+    if how == "leftover":  # gradients from a backward before initialize: autograd adds into them in place
+        nn.functional.cross_entropy(model(x), y).backward()
+    if how == "untrained":  # the first layer is not in the client's optimizer: neither trains it
+        client = torch.optim.AdamW(model[2].parameters(), lr=1e-2, weight_decay=0.0)
+        engine, *_ = zfunc.initialize(model=model, optimizer=client, config={**_ds(stage), "optimizer": None})
+    else:
+        engine, *_ = zfunc.initialize(model=model, config=_ds(stage))
     ref = _model()
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
-    x, y = _data(0, rank)
     loss = nn.functional.cross_entropy(engine(x), y)
-    if how == "penalty":
-        loss = loss + 1e-2 * sum(p.square().sum() for p in engine.module.parameters())
-    else:
+    if how == "submodule":
         loss = loss + engine.module[2](torch.tanh(torch.ones(2, 7))).sum()
+    else:
+        loss = loss + 1e-2 * sum(p.square().sum() for p in engine.module[:1 if how == "untrained" else 3].parameters())
     engine.backward(loss)
     try:
         engine.step()
         said = "accepted"
     except RuntimeError as e:
         said = str(e)
+    if how == "untrained":
+        return said, 0.0
     assert all(p.grad is None for p in engine.module.parameters())
     x, y = _data(1, rank)
     engine.backward(nn.functional.cross_entropy(engine(x), y))
@@ -386,8 +395,11 @@ def _stray(rank: int, stage: int, how: str) -> tuple[str, float]:
 def test_a_gradient_outside_the_engines_forward_is_refused(stage):
     """(At stage 3 the module's parameters are empty between forwards, as DeepSpeed's partitioned
     ones: a submodule called directly fails in torch already; the penalty reads empty tensors.)"""
-    for how in ("penalty", "submodule") if stage < 3 else ("penalty",):
+    for how in ("penalty", "leftover", "submodule", "untrained") if stage < 3 else ("penalty", "untrained"):
         for said, diff in run_ranks(_stray, 2, stage, how):
+            if how == "untrained":  # a parameter the state does not train: nothing is dropped
+                assert said == "accepted", said
+                continue
             assert "reached engine.module's own parameter(s)" in said and "weight_decay" in said, said
             assert diff < 2e-6, (how, diff)
 

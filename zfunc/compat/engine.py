@@ -149,9 +149,13 @@ class Engine(ConfigAccessors, WeightsOut, torch.nn.Module):
             sink.register_post_accumulate_grad_hook(_weakly(self, Engine._grad_arrived))
         self._tasks, self._losses = set(), []
         self._share_module_params()
-        # The module's own parameters and the gradient each held then: one that gets another
-        # reached them outside the engine's forward, and would be dropped (`_refuse_stray_grads`).
-        self._own = [(name, p, p.grad) for name, p in self.module.named_parameters()]
+        # The module's own trained parameters: a gradient in their ``.grad`` reached them outside
+        # the engine's forward, and would be dropped (`_refuse_stray_grads`). One they hold now
+        # (a backward on the model before `initialize`) was never the engine's to train on: cleared,
+        # so one that arrives later is seen even where autograd adds into it in place.
+        self._own = [(name, p) for name, p in self.module.named_parameters() if name not in state.frozen]
+        for _, p in self._own:
+            p.grad = None
         register_params(self)  # for zfunc.utils' accessors (DeepSpeed's deepspeed.utils)
 
     def _grad_arrived(self, _: torch.Tensor) -> None:
@@ -334,12 +338,14 @@ class Engine(ConfigAccessors, WeightsOut, torch.nn.Module):
         engine's forward (which runs on the state): a term computed from
         ``engine.module.parameters()``, a submodule called directly, a reentrant checkpoint whose
         segment reads a parameter without calling the module holding it. DeepSpeed would train on
-        it; here it would be dropped, so it is refused, with the gradients since the last step."""
-        stray = [name for name, p, before in self._own if p.grad is not None and p.grad is not before]
+        it; here it would be dropped, so it is refused, with the gradients since the last optimizer
+        step (every micro-batch of the window: the next boundary applies those after this one). The
+        state's frozen parameters are not checked: neither trains them."""
+        stray = [name for name, p in self._own if p.grad is not None]
         if not stray:
             return
-        for _, p, before in self._own:
-            p.grad = before
+        for _, p in self._own:
+            p.grad = None
         self._tasks, self._losses, self._scaled_tasks = set(), [], set()
         self.zero_grad()
         shown = ", ".join(stray[:3]) + (f" and {len(stray) - 3} more" if len(stray) > 3 else "")
@@ -350,7 +356,7 @@ class Engine(ConfigAccessors, WeightsOut, torch.nn.Module):
             "without calling the module that holds it. The engine trains its state, which the forward runs on, "
             "so that gradient would be dropped. Compute the term inside the model's forward (use weight_decay "
             "for an L2 penalty), or use_reentrant=False for the checkpoint. The gradients accumulated since the "
-            "last step() were dropped")
+            "last optimizer step (this accumulation window's micro-batches) were dropped")
 
     def _step(self, lr_kwargs: Mapping[str, Any] | None) -> None:
         boundary = self.is_gradient_accumulation_boundary()
