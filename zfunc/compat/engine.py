@@ -23,8 +23,6 @@ module's own parameter storage is freed, as DeepSpeed's ZeRO-3 does).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import os
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -37,14 +35,13 @@ from zfunc.autograd import average, calls
 from zfunc.autograd.swap import set_data, swap_in, swap_tensor
 from zfunc.autograd.average import Average, ranks_averaged
 from zfunc.autograd.buckets import Fold
-from zfunc.io.checkpoint import agree, exists, load, read_extra, save
-from zfunc.io.deepspeed_checkpoint import is_deepspeed_checkpoint, read_deepspeed
 from zfunc.core.config import Config
 from zfunc.compat.engine_config import ConfigAccessors
+from zfunc.compat.engine_checkpoint import Checkpoints
 from zfunc.compat.engine_weights import WeightsOut
 from zfunc.core.create import init, masters_from_compute
 from zfunc.core.deepspeed_config import BatchSizes
-from zfunc.errors import CheckpointError, ConfigError, DeepSpeedAssertion
+from zfunc.errors import ConfigError, DeepSpeedAssertion
 from zfunc.autograd.forward_gather import settle
 from zfunc.compat.utils import register as register_params
 from zfunc.compat.optimizer_view import OptimizerView, engine_of
@@ -54,7 +51,7 @@ from zfunc.core.update import apply_step, learning_rates, set_hyperparams
 __all__ = ["Engine"]
 
 
-class Engine(ConfigAccessors, WeightsOut, torch.nn.Module):
+class Engine(ConfigAccessors, WeightsOut, Checkpoints, torch.nn.Module):
     """A DeepSpeed-compatible engine: ``engine(x)``, ``engine.backward(loss)``, ``engine.step()``.
 
     Like DeepSpeed's, the engine is an ``nn.Module`` wrapping the user's (``engine.module``):
@@ -171,8 +168,7 @@ class Engine(ConfigAccessors, WeightsOut, torch.nn.Module):
         scaled = average.seeded_now(flight) or task in self._scaled_tasks
         self._scaled_tasks.discard(task)
         if self.cfg.loss_scale is not None and not scaled:
-            self._tasks, self._losses = set(), []
-            self.zero_grad()
+            self._drop_window()
             raise RuntimeError(
                 "Loss scaling is required: this engine scales the loss (fp16 with a loss scale), and a plain "
                 "backward did not. Call engine.backward(loss), or engine.scale(loss).backward(). The gradients "
@@ -346,8 +342,7 @@ class Engine(ConfigAccessors, WeightsOut, torch.nn.Module):
             return
         for _, p in self._own:
             p.grad = None
-        self._tasks, self._losses, self._scaled_tasks = set(), [], set()
-        self.zero_grad()
+        self._drop_window()
         shown = ", ".join(stray[:3]) + (f" and {len(stray) - 3} more" if len(stray) > 3 else "")
         raise RuntimeError(
             f"engine.step(): a gradient reached engine.module's own parameter(s) {shown} outside the engine's "
@@ -357,6 +352,12 @@ class Engine(ConfigAccessors, WeightsOut, torch.nn.Module):
             "so that gradient would be dropped. Compute the term inside the model's forward (use weight_decay "
             "for an L2 penalty), or use_reentrant=False for the checkpoint. The gradients accumulated since the "
             "last optimizer step (this accumulation window's micro-batches) were dropped")
+
+    def _drop_window(self) -> None:
+        """A refusal: forget the backwards counted since the last optimizer step and empty the
+        gradients they accumulated."""
+        self._tasks, self._losses, self._scaled_tasks = set(), [], set()
+        self.zero_grad()
 
     def _step(self, lr_kwargs: Mapping[str, Any] | None) -> None:
         boundary = self.is_gradient_accumulation_boundary()
@@ -431,112 +432,6 @@ class Engine(ConfigAccessors, WeightsOut, torch.nn.Module):
         """The global gradient norm of the last step (unscaled, before clipping)."""
         return self._live().metrics.grad_norm.item()
 
-    # -- checkpoints -------------------------------------------------------------------------
-    def save_checkpoint(self, save_dir: str | os.PathLike, tag: Any = None, client_state: Any = None,
-                        save_latest: bool = True) -> bool:
-        """Save to ``save_dir/tag`` (default tag ``global_step<N>``) and point ``latest`` at it.
-
-        Every rank writes its own pieces (`zfunc.save`); ``client_state`` is stored as is.
-        """
-        tag = _check_tag(tag if tag is not None else f"global_step{self.global_steps}")
-        self._state = self._with_group_edits(self._state)  # the groups' lr as the optimizer shows it
-        extra = {"client_state": client_state, "micro_steps": self.micro_steps,
-                 "global_samples": self.global_samples, "lr_scheduler": self._torch_scheduler_state()}
-        save(self._state, os.path.join(os.fspath(save_dir), tag), extra=extra)
-        problem = None
-        if save_latest and self._state.group.rank == 0:
-            try:
-                tmp = os.path.join(os.fspath(save_dir), f".latest-{os.getpid()}")
-                with open(tmp, "w") as f:
-                    f.write(tag)
-                os.replace(tmp, os.path.join(os.fspath(save_dir), "latest"))
-            except OSError as e:
-                problem = (f"save_checkpoint: {tag} is saved, but pointing {save_dir}/latest at it failed ({e}); "
-                           "latest still names the previous checkpoint")
-        agree(problem, self._state.group)  # `latest` is in place, on every rank's word
-        return True
-
-    def load_checkpoint(self, load_dir: str | os.PathLike, tag: Any = None, load_module_strict: bool = True,
-                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str | None, Any]:
-        """Load ``load_dir/tag`` (default: the tag in ``load_dir/latest``) into the engine.
-
-        Returns ``(path, client_state)``, or ``(None, None)`` when there is no ``latest``. A
-        DeepSpeed ZeRO checkpoint directory loads as well (its master weights, Adam moments, step
-        counts and client state; `zfunc.io.deepspeed_checkpoint`).
-        The world size and ZeRO stage may differ from the saving run's. DeepSpeed's keywords
-        keep their meaning: ``load_module_only=True`` loads the weights (master, compute copy,
-        frozen parameters, buffers) and nothing else; ``load_optimizer_states=False`` keeps the
-        engine's optimizer state (moments, step count, hyperparameters, loss scale) and loads the
-        rest; ``load_lr_scheduler_states=False`` keeps the engine's torch scheduler. A config
-        ``scheduler`` follows the optimizer's step count, so it comes with the optimizer state:
-        asking for one without the other is refused. Refused as well (with what to do
-        instead): ``load_module_strict=False`` and ``custom_load_fn``. Nothing is changed when a
-        load is refused or fails.
-        """
-        self._live()
-        self._check_load_keywords(load_module_strict, load_optimizer_states, load_lr_scheduler_states,
-                                  load_module_only, custom_load_fn)
-        if tag is None:
-            latest = os.path.join(os.fspath(load_dir), "latest")
-            if not os.path.isfile(latest):
-                return None, None
-            with open(latest) as f:
-                tag = f.read().strip()
-        path = os.path.join(os.fspath(load_dir), _check_tag(tag))
-        extra, problem = None, None
-        try:
-            if not exists(path) and is_deepspeed_checkpoint(path):  # a run moved over from DeepSpeed
-                ck = read_deepspeed(path)
-                extra = {"micro_steps": ck.global_steps * self.gradient_accumulation_steps(),
-                         "global_samples": ck.global_samples, "lr_scheduler": ck.lr_scheduler,
-                         "client_state": ck.client_state}
-            else:
-                extra = read_extra(path)
-        except CheckpointError as e:
-            problem = str(e)
-        agree(problem, self._state.group)  # a rank that cannot read it stops every rank, now
-        loaded = load(path, like=self._state, weights_only=load_module_only)
-        current = self._with_group_edits(self._state)
-        if load_module_only:  # the weights alone: counters, optimizer and scaler stay the engine's
-            loaded = loaded.replace(step=current.step, opt=current.opt, group_opts=current.group_opts,
-                                    hyper=current.hyper, scaler=current.scaler)
-        elif not load_optimizer_states:  # DeepSpeed keeps its skipped-step counter apart from the scaler
-            loaded = loaded.replace(opt=current.opt, group_opts=current.group_opts, hyper=current.hyper,
-                                    scaler=dataclasses.replace(current.scaler, skipped=loaded.scaler.skipped))
-        _check_hyper_everywhere(loaded)
-        self.state = loaded
-        self.optimizer.write_back()  # the loaded hyperparameters (e.g. a hand-set lr) in the groups
-        if not load_module_only:
-            self.micro_steps, self.global_samples = extra["micro_steps"], extra["global_samples"]
-            stored = extra.get("lr_scheduler")
-            if load_lr_scheduler_states and stored is not None and hasattr(self.lr_scheduler, "load_state_dict"):
-                self.lr_scheduler.load_state_dict(stored)
-        return path, extra["client_state"]
-
-    def _check_load_keywords(self, strict: bool, optimizer_states: bool, scheduler_states: bool,
-                             module_only: bool, custom_load_fn: Any) -> None:
-        """Refuse the `load_checkpoint` keywords zfunc cannot honour, naming what to do instead."""
-        if not strict:
-            raise ValueError("load_checkpoint(load_module_strict=False): zfunc loads only a checkpoint of this "
-                             "model (every parameter and buffer, same shapes). To start from part of one, export "
-                             "its weights (zfunc.export(path, file)), load them into the module, then initialize")
-        if custom_load_fn is not None:
-            raise ValueError("load_checkpoint(custom_load_fn=...): not supported; load with "
-                             "zfunc.load(path, like=engine.state), change the state, and assign engine.state")
-        if (self.cfg.lr_schedule is not None and not module_only
-                and bool(optimizer_states) != bool(scheduler_states)):
-            raise ValueError(
-                f"load_checkpoint(load_optimizer_states={optimizer_states}, load_lr_scheduler_states="
-                f"{scheduler_states}): the config's 'scheduler' follows the optimizer's step count, so its state "
-                "comes and stays with the optimizer's; pass the same value for both")
-
-    def _torch_scheduler_state(self) -> dict[str, Any] | None:
-        """The state of a torch scheduler passed to `initialize` (a config schedule has none)."""
-        sched = self.lr_scheduler
-        stateful = hasattr(sched, "state_dict") and hasattr(sched, "load_state_dict")
-        return sched.state_dict() if stateful else None
-
     def empty_partition_cache(self) -> None:
         """DeepSpeed's: release the stage-3 parameters gathered and kept between uses. zfunc keeps
         none (each unit's gathered buffer is freed after its module has run, forward and backward),
@@ -571,37 +466,11 @@ def _weakly(engine: Engine, method: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-def _check_hyper_everywhere(state: TrainState) -> None:
-    """Every rank continues with the same group hyperparameters (a rank's own edits of
-    ``optimizer.param_groups`` kept by ``load_optimizer_states=False`` could differ): one small
-    all-gather; a difference names the field, the group and each rank's value, on every rank."""
-    if state.group.size == 1:
-        return
-    mine = {f.name: getattr(state.hyper, f.name).tolist() for f in dataclasses.fields(state.hyper)}
-    seen = comm.all_gather_object(mine, state.group)
-    for name, values in mine.items():
-        for g in range(len(values)):
-            per_rank = [s[name][g] for s in seen]
-            if any(v != per_rank[0] for v in per_rank):
-                raise ConfigError(f"param_groups[{g}].{name}: differs across ranks after load_checkpoint "
-                                  f"({', '.join(f'rank {r}: {v}' for r, v in enumerate(per_rank))}); set the same "
-                                  "value on every rank (optimizer.param_groups) before loading")
-
-
 def _no_stage3_state_dict(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
     if prefix == "":
         raise RuntimeError("engine.module.state_dict(): at ZeRO stage 3 the module holds no parameters (each rank "
                            "holds shards); use engine.module_state_dict() or engine.save_16bit_model(dir) (on every "
                            "rank), or zfunc.full_params(engine.state)")
-
-
-def _check_tag(tag: Any) -> str:
-    """A checkpoint tag names one directory inside the save directory, nothing else."""
-    text = str(tag)
-    if not text or text in (".", "..") or "/" in text or os.sep in text or text == "latest":
-        raise ValueError(f"tag: {tag!r} must name a directory inside the checkpoint directory (not empty, "
-                         "'.', '..' or 'latest', no path separators)")
-    return text
 
 
 class _SchedulerView:
