@@ -174,7 +174,8 @@ def test_a_bucket_added_at_once_sums_as_one_by_one(factor):
     """The local accumulator's batched add (`_AddLocal.many`) gives, bit for bit, what adding each
     gradient on its own gives: keys out of order, gaps (a parameter not reached), a transposed
     gradient, a bfloat16 one large enough for the widening kernel, empty parameters (one at the
-    offset of the next parameter, listed after it; one at the end)."""
+    offset of the next parameter, listed after it; one at the end of a run), small gradients back
+    to back (added as one run, `zfunc.autograd.buckets.runs`), a large one between two runs."""
     import types
 
     from zfunc.autograd.local import _AddLocal
@@ -183,14 +184,16 @@ def test_a_bucket_added_at_once_sums_as_one_by_one(factor):
     pairs = [(5064, torch.randn(2, 2, generator=gen)), (22, torch.randn(7, generator=gen)),
              (22, torch.empty(0)),  # an empty parameter shares the offset of the one before it in keys
              (0, torch.randn(3, 5, generator=gen)), (40, torch.randn(4, 6, generator=gen).t()),
-             (15, None), (29, torch.empty(0)), (64, torch.randn(5000, generator=gen).bfloat16()),
-             (5068, torch.empty(0, 3))]
+             (15, None), (29, torch.empty(0)), (29, torch.randn(11, generator=gen)),  # a run: 22..29, 29..40
+             (64, torch.randn(5000, generator=gen).bfloat16()), (5068, torch.empty(0, 3)),
+             (25071, torch.randn(2, 2, generator=gen)), (5068, torch.randn(20000, generator=gen)),  # large
+             (25068, torch.randn(3, generator=gen))]  # a run after the large one: 25068..25071, 25071..25075
     keys = tuple(k for k, _ in pairs)
     avg = types.SimpleNamespace(factor=factor)
     sums = []
     for batched in (True, False):
-        sink = torch.zeros(5068, requires_grad=True)
-        sink.grad = torch.randn(5068, generator=torch.Generator().manual_seed(1))
+        sink = torch.zeros(25075, requires_grad=True)
+        sink.grad = torch.randn(25075, generator=torch.Generator().manual_seed(1))
         add = _AddLocal(sink, avg)
         for _ in range(2):  # a second micro-batch adds onto the first
             if batched:
@@ -201,7 +204,7 @@ def test_a_bucket_added_at_once_sums_as_one_by_one(factor):
                         add(k, g)
         sums.append(sink.grad)
     assert torch.equal(sums[0], sums[1])
-    base = torch.randn(5068, generator=torch.Generator().manual_seed(1))
+    base = torch.randn(25075, generator=torch.Generator().manual_seed(1))
     assert torch.equal(sums[0][15:22], base[15:22])  # the gap (nothing reached it) keeps its values
     assert not torch.equal(sums[0], base)
 

@@ -45,6 +45,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch._utils import _flatten_dense_tensors
 
 from zfunc.distributed import comm
 from zfunc.distributed._vmap import VmapAsIs
@@ -186,10 +187,27 @@ class _Reducer:
 
     def many(self, keys: tuple[int, ...], grads: tuple[torch.Tensor | None, ...]) -> None:
         """`take` each gradient that arrived (None: nothing reached that parameter in this graph),
-        all of them in place before a bucket they complete starts."""
+        all of them in place before a bucket they complete starts. Small gradients that lie back
+        to back in one bucket (`runs`) go in place as one."""
         arrived = list(map(operator.is_not, grads, itertools.repeat(None)))
+        items = []
         for key, grad in zip(itertools.compress(keys, arrived), itertools.compress(grads, arrived)):
-            self._put(key, grad)
+            k, slot = self.slots[key]
+            if k < self.next or not grad.is_contiguous():  # refused in `_put`; strided: placed as it is
+                self._put(key, grad)
+            else:
+                items.append(((k, key not in self.missing[k], grad.dtype), slot.offset, key, grad))
+        items.sort(key=operator.itemgetter(0, 1))
+        for (k, again, _), offset, js, run in runs(items):
+            if len(run) == 1:
+                self._put(js[0], run[0])
+                continue
+            if not self.opened[k]:
+                self._open(k)
+            self._place(k, offset, _flatten_dense_tensors(run), again=again)
+            self.missing[k].difference_update(js)
+            if not self.missing[k]:
+                self.complete[k] = True
         self._advance()
 
     def _put(self, j: int, grad: torch.Tensor) -> None:
@@ -364,6 +382,39 @@ class _Reducer:
         # Back to the pool once autograd has added it to the sink, at the end of this backward.
         at_backward_end(lambda: self.pool.give(out))
         return [out]
+
+
+# A gradient of at most this many elements joins a run (`runs`): copying it once into the run's
+# concatenation costs less than a call into torch of its own (a few microseconds each on a CPU,
+# where ``_foreach_add_`` too loops over its tensors); a larger one goes in place where it is.
+SMALL = 1 << 14
+
+
+def runs(items: list[tuple[Any, int, Any, torch.Tensor]]) -> list[tuple[Any, int, list[Any], list[torch.Tensor]]]:
+    """``(group, offset, keys, gradients)`` for each run of ``items`` (``(group, offset, key,
+    gradient)``, sorted by group and offset) whose small gradients (`SMALL`) of one group lie back
+    to back; any other gradient is a run of its own. A run of several is put in place as one
+    (``torch._utils._flatten_dense_tensors``, one concatenation): one call into torch, not one per
+    parameter, for a model of many small parameters.
+
+    Examples:
+        >>> import torch
+        >>> items = [(0, 0, "a", torch.ones(2)), (0, 2, "b", torch.ones(3)), (0, 6, "c", torch.ones(1)),
+        ...          (0, 7, "d", torch.ones(1 << 15)), (1, 0, "e", torch.ones(1)), (1, 1, "f", torch.ones(1))]
+        >>> [(g, offset, keys) for g, offset, keys, _ in runs(items)]
+        [(0, 0, ['a', 'b']), (0, 6, ['c']), (0, 7, ['d']), (1, 0, ['e', 'f'])]
+    """
+    out: list[tuple[Any, int, list[Any], list[torch.Tensor]]] = []
+    end, last = -1, None  # where the last run of small gradients ends, and its group (-1: not one)
+    for group, offset, key, grad in items:
+        n = grad.numel()
+        if n <= SMALL and offset == end and group == last:
+            out[-1][2].append(key)
+            out[-1][3].append(grad)
+        else:
+            out.append((group, offset, [key], [grad]))
+        end, last = (offset + n, group) if n <= SMALL else (-1, None)
+    return out
 
 
 def _flat_if_free(grad: torch.Tensor) -> torch.Tensor:

@@ -14,9 +14,10 @@ import operator
 from typing import TYPE_CHECKING
 
 import torch
+from torch._utils import _flatten_dense_tensors
 
 from zfunc.autograd.average import Average
-from zfunc.autograd.buckets import Bucket, Collect, _bucket_taps, _flat_if_free, _keep, _largest, _shaped, tap_plan
+from zfunc.autograd.buckets import Bucket, Collect, _bucket_taps, _flat_if_free, _keep, _largest, _shaped, runs, tap_plan
 from zfunc.autograd.rebind import Rebind
 from zfunc.distributed.widen import add_into
 
@@ -44,11 +45,11 @@ class _AddLocal:
     """A `_Taps` taker for `local_views`: each gradient, keyed by its offset in the unit, added
     times ``avg.factor`` into the accumulator ``sink.grad``.
 
-    ``many`` adds a bucket's gradients at once: those of the accumulator's dtype laid out
-    contiguously go in one ``torch._foreach_add_`` over views that one ``split`` makes of the
-    accumulator (two calls into torch rather than three per parameter; a model of many small
-    parameters spends most of its backward overhead there), the others one by one. The sums are
-    ``add_``'s, element for element.
+    ``many`` adds a bucket's gradients at once (a model of many small parameters spends most of
+    its backward overhead here): of those of the accumulator's dtype laid out contiguously, each
+    run of small ones back to back (`zfunc.autograd.buckets.runs`) is concatenated and added in
+    one ``add_``, and the rest go in one ``torch._foreach_add_`` over views that one ``split``
+    makes of the accumulator; the others one by one. The sums are ``add_``'s, element for element.
 
     Examples:
         >>> import torch, types
@@ -78,17 +79,27 @@ class _AddLocal:
             if grad.numel() == 0:  # empty: at the offset of the parameter after it
                 continue
             if grad.dtype == acc.dtype and grad.is_contiguous():
-                batch.append((key, grad))
+                batch.append((None, key, None, grad))
             else:  # another dtype (the widening kernel), or strided (written in one pass as it is)
                 self(key, grad)
         if len(batch) < 2:
-            for key, grad in batch:
+            for _, key, _, grad in batch:
                 self(key, grad)
             return
-        batch.sort(key=operator.itemgetter(0))
+        batch.sort(key=operator.itemgetter(1))
+        rest = []
+        for _, start, _, run in runs(batch):
+            if len(run) == 1:
+                rest.append((start, run[0]))
+                continue
+            flat = _flatten_dense_tensors(run)  # one concatenation, one add
+            region = acc.narrow(0, start, flat.numel())
+            region.add_(flat) if factor == 1.0 else region.add_(flat, alpha=factor)
+        if not rest:
+            return
         sizes, picks, srcs = [], [], []
-        start = end = batch[0][0]
-        for key, grad in batch:
+        start = end = rest[0][0]
+        for key, grad in rest:
             if key > end:  # a gap (a parameter not reached, alignment): split off, left alone
                 sizes.append(key - end)
             picks.append(len(sizes))
