@@ -5,23 +5,35 @@ The model is a bank of 256 small MLP experts between an input and an output proj
 parameter tensors, 0.3M elements), each expert on its own slice of the tokens, as a
 mixture-of-experts layer runs them: Python work per parameter shows, arithmetic does not.
 Each round times every contender once, in turn (``time.perf_counter``, one thread); the table
-gives the median over rounds and the ratio of medians to plain torch (forward, ``backward()``
-into ``.grad``, ``zero_grad(set_to_none=True)``). Objects alive after the warm-up are frozen
+gives the median over rounds, the ratio of medians to plain torch (forward, ``backward()``
+into ``.grad``, ``zero_grad(set_to_none=True)``), and the median of each round's own ratio
+(*paired*: a round's contenders run moments apart, so a slow stretch of a shared machine weighs on
+them alike). Objects alive after the warm-up are frozen
 (``gc.freeze``), so a full collection, which scans every object the process holds, does not
 land on one contender at random.
+
+With ``--world N`` (N > 1) every contender runs on a local world of N gloo ranks, one thread
+each, where the gradients are reduced in backward: plain torch is ``DistributedDataParallel``
+(its C++ reducer: buckets of 25 MiB, all-reduced as they complete), zfunc's stage 0 all-reduces
+each bucket in the micro-batch's backward (``grad_accum=1``: the step's boundary), stage 2
+reduces each bucket to its owners. Each contender's round starts after a barrier; its time is
+the slowest rank's.
 
 Usage::
 
     PYTHONPATH=. python benchmarks/overhead.py [--rounds 30] [--experts 256] [--checkpoint nonreentrant]
+    PYTHONPATH=. python benchmarks/overhead.py --world 2
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import platform
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.utils.checkpoint
@@ -57,32 +69,38 @@ def loss_fn(model, x: torch.Tensor) -> torch.Tensor:
     return model(x).pow(2).mean()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--checkpoint", choices=["reentrant", "nonreentrant"], default=None,
-                    help="each expert under torch.utils.checkpoint, for every contender (torch's included)")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = ExpertBank(args.experts, checkpoint=args.checkpoint)
-    x = torch.randn(4 * args.experts, 16)
-    n_params = len(list(model.parameters()))
+def contenders(model: nn.Module, x: torch.Tensor, world: int) -> dict[str, Callable[[], None]]:
+    """Plain torch (``DistributedDataParallel`` at ``world`` > 1) and zfunc stages 0 and 2, each one
+    micro-batch's forward and backward."""
+    ref = model
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ref = DistributedDataParallel(copy.deepcopy(model), static_graph=model.checkpoint == "reentrant")
 
     def plain() -> None:
-        loss_fn(model, x).backward()
-        model.zero_grad(set_to_none=True)
+        loss_fn(ref, x).backward()
+        ref.zero_grad(set_to_none=True)
 
     states = {stage: zfunc.init(model, zfunc.Config(stage=stage, grad_accum=1)) for stage in (0, 2)}
 
-    def through(stage: int):
+    def through(stage: int) -> Callable[[], None]:
         def run() -> None:
             zfunc.backward_step(states[stage], loss_fn, x)  # the input state is kept: same work each time
         return run
 
-    contenders = {"torch": plain, "zfunc stage 0": through(0), "zfunc stage 2": through(2)}
-    for fn in contenders.values():  # warm-up
+    return {"torch" if world == 1 else "torch DDP": plain, "zfunc stage 0": through(0), "zfunc stage 2": through(2)}
+
+
+def timings(rank: int, experts: int, checkpoint: str | None, rounds: int, world: int) -> dict[str, list[float]]:
+    """Seconds per round of each contender (on rank ``rank`` of a world of ``world``)."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = ExpertBank(experts, checkpoint=checkpoint)
+    x = torch.randn(4 * experts, 16, generator=torch.Generator().manual_seed(rank))
+    runs = contenders(model, x, world)
+    sync = torch.distributed.barrier if world > 1 else (lambda: None)
+    for fn in runs.values():  # warm-up
         for _ in range(3):
             fn()
     # What lives now (torch, numba, the model, the states) is moved out of the collector's view:
@@ -90,20 +108,39 @@ def main() -> None:
     # call happens to trigger it. The young collections each call causes stay in its time.
     gc.collect()
     gc.freeze()
-    times: dict[str, list[float]] = {k: [] for k in contenders}
-    for _ in range(args.rounds):
-        for name, fn in contenders.items():
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            sync()
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    base = statistics.median(times["torch"])
-    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread, "
-          f"{n_params} parameter tensors, {sum(p.numel() for p in model.parameters())} elements, "
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--checkpoint", choices=["reentrant", "nonreentrant"], default=None,
+                    help="each expert under torch.utils.checkpoint, for every contender (torch's included)")
+    ap.add_argument("--world", type=int, default=1, help="local gloo ranks (default 1: no process group)")
+    args = ap.parse_args()
+    run_args = (args.experts, args.checkpoint, args.rounds, args.world)
+    per_rank = ([timings(0, *run_args)] if args.world == 1 else
+                zfunc.launch(timings, world_size=args.world, threads=1, timeout=3600, args=run_args))
+    rounds = {k: [max(r[k][i] for r in per_rank) for i in range(args.rounds)] for k in per_rank[0]}  # slowest rank
+    base = next(iter(rounds))
+    model = ExpertBank(args.experts)
+    n_params = len(list(model.parameters()))
+    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {args.world} rank(s) x 1 "
+          f"thread, {n_params} parameter tensors, {sum(p.numel() for p in model.parameters())} elements, "
           f"{args.rounds} rounds, checkpointing: {args.checkpoint or 'none'}")
-    print(f"{'contender':<16} {'median ms':>10} {'vs torch':>9}")
-    for name, ts in times.items():
+    print(f"{'contender':<16} {'median ms':>10} {'vs torch':>9} {'paired':>7}")
+    for name, ts in rounds.items():
         med = statistics.median(ts)
-        print(f"{name:<16} {med * 1e3:>10.2f} {med / base:>8.2f}x")
+        paired = statistics.median(t / b for t, b in zip(ts, rounds[base]))
+        print(f"{name:<16} {med * 1e3:>10.2f} {med / statistics.median(rounds[base]):>8.2f}x {paired:>6.2f}x")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import torch
 
 import zfunc
 from tests.helpers import MODELS, max_param_diff, reference_run, run_ranks, split, zfunc_run
-from zfunc.autograd.buckets import plan_buckets
+from zfunc.autograd.buckets import Bucket, plan_buckets
 
 TOL = 2e-6
 SMALL = 0.0002  # MiB: about 50 fp32 elements per bucket
@@ -169,13 +169,16 @@ def test_a_parameter_of_no_elements_in_a_bucket():
         assert diff <= TOL, diff
 
 
-@pytest.mark.parametrize("factor", [1.0, 0.125])
-def test_a_bucket_added_at_once_sums_as_one_by_one(factor):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("factor", [1.0, 0.125, 1 / 3])
+def test_a_bucket_added_at_once_sums_as_one_by_one(factor, dtype):
     """The local accumulator's batched add (`_AddLocal.many`) gives, bit for bit, what adding each
     gradient on its own gives: keys out of order, gaps (a parameter not reached), a transposed
     gradient, a bfloat16 one large enough for the widening kernel, empty parameters (one at the
     offset of the next parameter, listed after it; one at the end of a run), small gradients back
-    to back (added as one run, `zfunc.autograd.buckets.runs`), a large one between two runs."""
+    to back (added as one run, `zfunc.autograd.buckets.runs`), a large one between two runs; an
+    fp32 and a bf16 accumulator (whose adds round the same only one by one), a factor that is not
+    a power of two."""
     import types
 
     from zfunc.autograd.local import _AddLocal
@@ -188,12 +191,18 @@ def test_a_bucket_added_at_once_sums_as_one_by_one(factor):
              (64, torch.randn(5000, generator=gen).bfloat16()), (5068, torch.empty(0, 3)),
              (25071, torch.randn(2, 2, generator=gen)), (5068, torch.randn(20000, generator=gen)),  # large
              (25068, torch.randn(3, generator=gen))]  # a run after the large one: 25068..25071, 25071..25075
+    end = 25075
+    for n in (7, 13, 30, 5, 21):  # a longer run: in one add, parts of it fall in the vectorised body
+        pairs.append((end, torch.randn(n, generator=gen)))
+        end += n
+    if dtype != torch.float32:  # the accumulator's own dtype (the widening kernel's case aside)
+        pairs = [(k, g if g is None or g.dtype != torch.float32 else g.to(dtype)) for k, g in pairs]
     keys = tuple(k for k, _ in pairs)
     avg = types.SimpleNamespace(factor=factor)
     sums = []
     for batched in (True, False):
-        sink = torch.zeros(25075, requires_grad=True)
-        sink.grad = torch.randn(25075, generator=torch.Generator().manual_seed(1))
+        sink = torch.zeros(end, requires_grad=True, dtype=dtype)
+        sink.grad = torch.randn(end, generator=torch.Generator().manual_seed(1)).to(dtype)
         add = _AddLocal(sink, avg)
         for _ in range(2):  # a second micro-batch adds onto the first
             if batched:
@@ -204,9 +213,100 @@ def test_a_bucket_added_at_once_sums_as_one_by_one(factor):
                         add(k, g)
         sums.append(sink.grad)
     assert torch.equal(sums[0], sums[1])
-    base = torch.randn(25075, generator=torch.Generator().manual_seed(1))
+    base = torch.randn(end, generator=torch.Generator().manual_seed(1)).to(dtype)
     assert torch.equal(sums[0][15:22], base[15:22])  # the gap (nothing reached it) keeps its values
     assert not torch.equal(sums[0], base)
+
+
+def _reducer(buckets, keyed, sink_size, shard, fold, factor, rank):
+    """A `_Reducer` over ``buckets`` without a world: its reduces are not started (`_advance` is
+    left out), so what it put in place can be read."""
+    import types
+
+    from zfunc.autograd.buckets import Fold, TapPlan, _Reducer
+
+    plan = TapPlan.of(keyed)
+    r = object.__new__(_Reducer)
+    r.buckets, r.slots, r.keys = tuple(buckets), plan.flat, plan.keys
+    r.avg, r.dtype = types.SimpleNamespace(factor=factor), torch.float32
+    r.fold = Fold(len(buckets)) if fold else None
+    r.shard = 0 if fold else shard
+    r.sink = torch.zeros(sink_size, requires_grad=True)
+    r.sink.grad = torch.randn(sink_size, generator=torch.Generator().manual_seed(1))
+    r.group = types.SimpleNamespace(rank=rank)
+    r.pool = types.SimpleNamespace(take=lambda n, dt, dev: torch.full((n,), float("nan"), dtype=dt))
+    r.state = types.SimpleNamespace(layout=types.SimpleNamespace(units=[types.SimpleNamespace(shard=shard)]),
+                                    device=torch.device("cpu"))
+    r.recomputed = None
+    r._reset()
+    r._advance = lambda: None
+    return r
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_bucket_put_in_place_at_once_is_one_by_ones(dtype):
+    """The bucket reducer's batched placing (`_Reducer.many`, runs of small gradients back to
+    back as one) leaves the accumulator, the staging buffers and the bookkeeping as placing each
+    gradient on its own does, bit for bit: random layouts of two buckets over three owners (empty
+    parameters, gaps, large ones, transposed gradients, ones not reached), one to three calls (a
+    gradient arriving again adds), at the boundary and reduce-scattered, a factor of 1/3, fp32
+    gradients and bf16 ones (widened as they are placed)."""
+    import itertools
+    import random
+
+    from zfunc.autograd.buckets import SMALL
+    from zfunc.distributed.layout import Slot
+
+    for trial in range(60):
+        rng = random.Random(trial)
+        gen = torch.Generator().manual_seed(trial)
+        slots, off = [], 0
+        for i in range(rng.randint(3, 25)):
+            n = rng.choice([0, 1, 3, 7, 50, 300, 2000, SMALL, SMALL + 1])
+            shape = rng.choice([(0,), (0, 3)]) if n == 0 else (n // 50, 50) if n % 50 == 0 and rng.random() < 0.4 else (n,)
+            slots.append(Slot(f"p{i}", shape, off))
+            off += n + (rng.choice([0, 0, 1, 3]) if n else 0)
+        shard = -(-(off + 5) // 3)
+        cut = rng.randint(1, len(slots) - 1)
+        groups = [slots[:cut], slots[cut:]]
+        buckets = []
+        for g, nxt in zip(groups, [slots[cut].offset, 3 * shard]):
+            start = g[0].offset
+            pieces = tuple((r, max(start, r * shard), min(nxt, (r + 1) * shard)) for r in range(3)
+                           if max(start, r * shard) < min(nxt, (r + 1) * shard))
+            buckets.append(Bucket(start, nxt, tuple(g), pieces))
+        count = itertools.count()
+        keyed = [[(next(count), s) for s in b.slots] for b in buckets]
+        calls = []
+        for _ in range(rng.randint(1, 3)):
+            keys = rng.sample(range(len(slots)), rng.randint(1, len(slots)))
+            grads = []
+            for k in keys:
+                shape = slots[k].shape
+                if rng.random() < 0.15:
+                    grads.append(None)
+                elif len(shape) == 2 and shape[0] > 1 and rng.random() < 0.5:
+                    grads.append(torch.randn(shape[::-1], generator=gen).to(dtype).t())
+                else:
+                    grads.append(torch.randn(shape, generator=gen).to(dtype))
+            calls.append((tuple(keys), tuple(grads)))
+        fold, rank = rng.random() < 0.5, rng.randint(0, 2)
+        seen = []
+        for batched in (True, False):
+            r = _reducer(buckets, keyed, 3 * shard if fold else shard, shard, fold, 1 / 3, rank)
+            for keys, grads in calls:
+                if batched:
+                    r.many(keys, grads)
+                else:
+                    for k, g in zip(keys, grads):
+                        if g is not None:
+                            r._put(k, g)
+            seen.append((r.sink.grad, [None if t is None else t.nan_to_num(7.0) for t in r.staged],
+                         r.missing, r.complete))
+        (acc, staged, missing, complete), (acc1, staged1, missing1, complete1) = seen
+        assert torch.equal(acc, acc1), trial
+        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(staged, staged1)), trial
+        assert (missing, complete) == (missing1, complete1), trial
 
 
 @pytest.mark.parametrize("limit", [0, 20, 10**6])

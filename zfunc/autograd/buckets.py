@@ -191,14 +191,15 @@ class _Reducer:
         to back in one bucket (`runs`) go in place as one."""
         arrived = list(map(operator.is_not, grads, itertools.repeat(None)))
         items = []
+        joins = _joinable(self.dtype, self.sink.grad)
         for key, grad in zip(itertools.compress(keys, arrived), itertools.compress(grads, arrived)):
             k, slot = self.slots[key]
-            if k < self.next or not grad.is_contiguous():  # refused in `_put`; strided: placed as it is
-                self._put(key, grad)
+            if k < self.next or grad.dtype not in joins or not grad.is_contiguous():
+                self._put(key, grad)  # refused there; another dtype or strided: one by one, as it is
             else:
-                items.append(((k, key not in self.missing[k], grad.dtype), slot.offset, key, grad))
+                items.append(((k, key not in self.missing[k]), slot.offset, key, grad))
         items.sort(key=operator.itemgetter(0, 1))
-        for (k, again, _), offset, js, run in runs(items):
+        for (k, again), offset, js, run in runs(items):
             if len(run) == 1:
                 self._put(js[0], run[0])
                 continue
@@ -386,14 +387,27 @@ class _Reducer:
 
 # A gradient of at most this many elements joins a run (`runs`): copying it once into the run's
 # concatenation costs less than a call into torch of its own (a few microseconds each on a CPU,
-# where ``_foreach_add_`` too loops over its tensors); a larger one goes in place where it is.
+# where ``_foreach_add_`` too loops over its tensors); a larger one goes in place where it is. A
+# run stops growing at RUN elements (its concatenation is a temporary).
 SMALL = 1 << 14
+RUN = 1 << 20
+_WIDE = frozenset({torch.float32, torch.float64})
+
+
+def _joinable(*dtypes: Any) -> frozenset:
+    """The gradient dtypes whose runs go in place as one, given the dtypes (or tensors) they go
+    into: fp32 or fp64 throughout. A sum or copy into or from 16 bits is rounded by kernels that
+    treat a vectorised body and its tail, or a short and a long tensor (the widening kernel,
+    `zfunc.distributed.widen`), differently, so a run's elements could round otherwise than one
+    by one; those go one by one."""
+    found = {getattr(d, "dtype", d) for d in dtypes if d is not None}
+    return frozenset(found) if len(found) == 1 and found <= _WIDE else frozenset()
 
 
 def runs(items: list[tuple[Any, int, Any, torch.Tensor]]) -> list[tuple[Any, int, list[Any], list[torch.Tensor]]]:
     """``(group, offset, keys, gradients)`` for each run of ``items`` (``(group, offset, key,
-    gradient)``, sorted by group and offset) whose small gradients (`SMALL`) of one group lie back
-    to back; any other gradient is a run of its own. A run of several is put in place as one
+    gradient)``, sorted by group and offset) whose small gradients (`SMALL`) of one group and
+    dtype lie back to back (up to `RUN` elements a run); any other gradient is a run of its own. A run of several is put in place as one
     (``torch._utils._flatten_dense_tensors``, one concatenation): one call into torch, not one per
     parameter, for a model of many small parameters.
 
@@ -405,14 +419,16 @@ def runs(items: list[tuple[Any, int, Any, torch.Tensor]]) -> list[tuple[Any, int
         [(0, 0, ['a', 'b']), (0, 6, ['c']), (0, 7, ['d']), (1, 0, ['e', 'f'])]
     """
     out: list[tuple[Any, int, list[Any], list[torch.Tensor]]] = []
-    end, last = -1, None  # where the last run of small gradients ends, and its group (-1: not one)
+    end, last, size = -1, None, 0  # where the last run of small gradients ends, its group and size
     for group, offset, key, grad in items:
         n = grad.numel()
-        if n <= SMALL and offset == end and group == last:
+        if n <= SMALL and offset == end and group == last and grad.dtype == out[-1][3][0].dtype and size + n <= RUN:
             out[-1][2].append(key)
             out[-1][3].append(grad)
+            size += n
         else:
             out.append((group, offset, [key], [grad]))
+            size = n
         end, last = (offset + n, group) if n <= SMALL else (-1, None)
     return out
 

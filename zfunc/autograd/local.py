@@ -17,7 +17,7 @@ import torch
 from torch._utils import _flatten_dense_tensors
 
 from zfunc.autograd.average import Average
-from zfunc.autograd.buckets import Bucket, Collect, _bucket_taps, _flat_if_free, _keep, _largest, _shaped, runs, tap_plan
+from zfunc.autograd.buckets import Bucket, Collect, _bucket_taps, _flat_if_free, _keep, _joinable, _largest, _shaped, runs, tap_plan
 from zfunc.autograd.rebind import Rebind
 from zfunc.distributed.widen import add_into
 
@@ -47,9 +47,10 @@ class _AddLocal:
 
     ``many`` adds a bucket's gradients at once (a model of many small parameters spends most of
     its backward overhead here): of those of the accumulator's dtype laid out contiguously, each
-    run of small ones back to back (`zfunc.autograd.buckets.runs`) is concatenated and added in
-    one ``add_``, and the rest go in one ``torch._foreach_add_`` over views that one ``split``
-    makes of the accumulator; the others one by one. The sums are ``add_``'s, element for element.
+    run of small ones back to back (`zfunc.autograd.buckets.runs`; an fp32 or fp64 accumulator) is
+    concatenated and added in one ``add_``, and the rest go in one ``torch._foreach_add_`` over
+    views that one ``split`` makes of the accumulator; the others one by one. The sums are
+    ``add_``'s, element for element.
 
     Examples:
         >>> import torch, types
@@ -87,14 +88,16 @@ class _AddLocal:
                 self(key, grad)
             return
         batch.sort(key=operator.itemgetter(1))
-        rest = []
-        for _, start, _, run in runs(batch):
-            if len(run) == 1:
-                rest.append((start, run[0]))
-                continue
-            flat = _flatten_dense_tensors(run)  # one concatenation, one add
-            region = acc.narrow(0, start, flat.numel())
-            region.add_(flat) if factor == 1.0 else region.add_(flat, alpha=factor)
+        rest = [(key, grad) for _, key, _, grad in batch]
+        if acc.dtype in _joinable(acc):
+            rest = []
+            for _, start, _, run in runs(batch):
+                if len(run) == 1:
+                    rest.append((start, run[0]))
+                    continue
+                flat = _flatten_dense_tensors(run)  # one concatenation, one add
+                region = acc.narrow(0, start, flat.numel())
+                region.add_(flat) if factor == 1.0 else region.add_(flat, alpha=factor)
         if not rest:
             return
         sizes, picks, srcs = [], [], []
