@@ -479,3 +479,58 @@ def test_zfunc_in_another_thread_gives_right_gradients_or_a_clear_error(ckpt):
         both, errors = _grads_with(stage, ckpt, "concurrent")
         assert all(torch.equal(g, alone[0]) for g in both), stage
         assert all("in another thread now" in str(e) for e in errors), (stage, errors)
+
+
+class _ReadsEmbedding(torch.nn.Module):
+    """A checkpointed segment that reads the embedding's weight without calling the embedding
+    (an output projection tied by hand, ``h @ emb.weight.T``), or, with ``direct=False``, that
+    calls its own output layer only."""
+
+    def __init__(self, direct: bool, reentrant: bool = True):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 8)
+        self.blk = torch.nn.Linear(8, 8)
+        self.out = torch.nn.Linear(8, 10)
+        self.direct, self.reentrant = direct, reentrant
+
+    def _segment(self, h):
+        h = torch.tanh(self.blk(h))
+        return h @ self.emb.weight.T if self.direct else self.out(h)
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self._segment, self.emb(x), use_reentrant=self.reentrant)
+
+
+def _read_off(rank: int, stage: int, units: list | None, direct: bool, how: str) -> str | None:
+    torch.manual_seed(0)
+    model = _ReadsEmbedding(direct)
+    model(torch.tensor([[1]])).sum().backward()  # a .grad the model had before init: not the call's
+    state = zfunc.init(model, zfunc.Config(stage=stage, units=units, persist_threshold=0,
+                                           optimizer=zfunc.sgd(lr=0.5)))
+    x = torch.tensor([[1, 2, 3 + rank]])
+    loss = lambda m, x: m(x).square().mean()  # noqa: E731
+    try:
+        for _ in range(2):
+            if how == "backward_step":
+                state, _ = zfunc.backward_step(state, loss, x)
+            else:
+                out, pullback = zfunc.vjp(state, lambda m: loss(m, x))
+                state = pullback(torch.ones_like(out))
+            state = zfunc.apply_step(state)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_a_segment_reading_a_weight_off_a_module_it_does_not_call_is_refused():
+    """Under reentrant checkpointing such a read sends that gradient to the module's own
+    ``.grad`` (the recompute hooks bind a parameter while its module runs): the backward raises
+    at its end, naming the parameter, on every rank, at every stage, instead of training without
+    it. A segment that calls its modules trains (a ``.grad`` the model had before ``init`` is
+    not taken for one)."""
+    for stage, units in ((0, None), (2, None), (3, None), (3, ["blk"])):
+        for how in ("backward_step", "vjp"):
+            for message in run_ranks(_read_off, 2, stage, units, True, how):
+                assert message is not None and "read ['emb.weight'] without calling the module" in message, (
+                    stage, units, how, message)
+            assert run_ranks(_read_off, 2, stage, units, False, how) == [None, None], (stage, units, how)

@@ -32,6 +32,7 @@ from zfunc.autograd import calls
 from zfunc.autograd.average import Average
 from zfunc.autograd.bound import BoundModel
 from zfunc.autograd.buckets import Bucket, Fold, plan_buckets
+from zfunc.autograd.direct_reads import DirectReads
 from zfunc.distributed.pool import Pool
 from zfunc.autograd.routing import Routing
 from zfunc.autograd.swap import put_back, set_data, swap_in
@@ -148,6 +149,7 @@ class ModuleBinding(Routing):
         self._users: dict[int, int] = {}
         self._users_lock = threading.RLock()  # reentrant: a weakref callback may run under it (`_call_gone`)
         self.flight = calls.InFlight()  # the calls running and the backwards through their outputs
+        self.reads = DirectReads(module, layout.names)  # a recomputation reading a parameter off the module
         # Unit parameters by name as the module holds them outside their unit's forward
         # (placeholders that refuse to compute), so the enclosing functional_call restores them.
         self.unit_params: dict[str, torch.Tensor] = {}
@@ -352,6 +354,8 @@ class ModuleBinding(Routing):
         except BaseException:
             self.release()
             raise
+        if not self._members:  # (the engine checks its module's own gradients at step())
+            self.reads.watch(task)
         return True
 
     def _source(self, task: int | None = None) -> Any:
@@ -429,6 +433,8 @@ class ModuleBinding(Routing):
             if call is not None:
                 b.occupy()  # a recomputation in backward too (released by the post-hook, which always runs)
                 call.enter(i, slots)
+                if b.flight.current() is None and not b._members:  # a recomputation: watched as in `_rebind_in`
+                    b.reads.watch(graph_task())
             elif b._rebind_in(mod, slots):  # stages 1-2, a forward recomputed in backward
                 pass
             elif b.donated:

@@ -1,0 +1,112 @@
+"""A parameter that a forward recomputed in backward read straight from the module, refused.
+
+Activation checkpointing runs part of the model again during backward, outside zfunc's call;
+the recompute hooks (`zfunc.autograd.binding`) put the call's parameters in a module's entries
+while that module runs. A segment that reads a parameter without calling the module holding it
+(a parent reading a child's weight, ``h @ emb.weight.T`` in a block) gets the module's own
+tensor instead. Under reentrant checkpointing the segment's own backward then adds that part of
+the gradient to the module's own ``.grad``, where nothing trains on it: `DirectReads` sees it
+when the backward ends and raises, naming the parameters. (Under non-reentrant checkpointing the
+same read computes with the module's own values and no gradient lands there: not detected.)
+The engine checks the same ``.grad`` at ``step()`` on its own (`zfunc.compat.engine`), so a
+routed module is not watched here.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+from zfunc.autograd.calls import at_backward_end
+
+__all__ = ["DirectReads"]
+
+
+class DirectReads:
+    """The module's trained parameters (its own tensors) and, for each backward that recomputes
+    a forward of it, their ``.grad`` as the first recomputation started (`watch`); at that
+    backward's end a gradient that appeared or grew since is refused (`check`).
+
+    Examples:
+        >>> import torch
+        >>> lin = torch.nn.Linear(2, 1)
+        >>> reads = DirectReads(lin, ["weight", "bias"])
+        >>> before = reads.grads()
+        >>> lin(torch.ones(1, 2)).sum().backward()
+        >>> try:
+        ...     reads.check(before)
+        ... except RuntimeError as e:
+        ...     print(str(e)[:74])
+        activation checkpointing recomputed a forward that read ['weight', 'bias']
+    """
+
+    def __init__(self, module: torch.nn.Module, names: Sequence[str]):
+        own = dict(module.named_parameters())
+        self.params = [(n, own[n]) for n in names if n in own]
+        # By graph task. A backward that raises drops its final callbacks unrun: its record is
+        # let go once `_KEPT` newer ones exist (no tensor is held: ids and versions only).
+        self._before: dict[int, dict[str, tuple[int, int]]] = {}
+        self._lock = threading.Lock()
+
+    def grads(self) -> dict[str, tuple[int, int]]:
+        """Each trained parameter's ``.grad`` now: its id and version (an add in place changes it)."""
+        return {n: (id(g), g._version) for n, p in self.params if (g := p.grad) is not None}
+
+    def watch(self, task: int) -> None:
+        """Backward ``task`` recomputes a forward: note the gradients now, check them at its end
+        (queued after what the recomputation queued, so its gradients are handed over first)."""
+        if task in self._before or task == -1:
+            return
+        with self._lock:  # (another thread's backward may watch at once)
+            while len(self._before) >= _KEPT:
+                self._before.pop(next(iter(self._before)))
+            self._before[task] = self.grads()
+        at_backward_end(_Ended(weakref.ref(self), task))
+
+    def check(self, before: dict[str, tuple[int, int]]) -> None:
+        """Refuse a gradient that appeared or grew in a trained parameter's own ``.grad`` since
+        ``before`` (`grads`).
+
+        Raises:
+            RuntimeError: naming the parameters and what to do instead.
+        """
+        stray = []
+        for n, p in self.params:
+            g, seen = p.grad, before.get(n)
+            if g is not None and (seen is None or seen != (id(g), g._version)):
+                stray.append(n)
+        if stray:
+            raise RuntimeError(
+                f"activation checkpointing recomputed a forward that read {stray[:3]}"
+                f"{' and more' if len(stray) > 3 else ''} without calling the module holding it (a block "
+                "reading another module's weight, such as h @ emb.weight.T): zfunc puts a call's parameters in a "
+                "module's entries while that module runs, so the recomputation read the module's own tensor and "
+                "its gradient went to that tensor's .grad, not to the state. Read the parameter through its "
+                "module (call the module, or give the reading block a module of its own that holds or ties it), "
+                "or keep that read outside the checkpointed segment (use_reentrant=False does not help: the "
+                "recomputation would compute with the module's own values)")
+
+    def forget(self, task: int) -> dict[str, tuple[int, int]] | None:
+        with self._lock:
+            return self._before.pop(task, None)
+
+
+_KEPT = 16  # records of backwards under way, at most (more at once than any real run has)
+
+
+class _Ended:
+    """A watched backward's end (autograd's final callback): its check."""
+
+    __slots__ = ("ref", "task")
+
+    def __init__(self, ref: weakref.ref, task: int):
+        self.ref, self.task = ref, task
+
+    def __call__(self) -> None:
+        reads = self.ref()
+        before = None if reads is None else reads.forget(self.task)
+        if before is not None:
+            reads.check(before)
