@@ -482,28 +482,30 @@ def test_zfunc_in_another_thread_gives_right_gradients_or_a_clear_error(ckpt):
 
 
 class _ReadsEmbedding(torch.nn.Module):
-    """A checkpointed segment that reads the embedding's weight without calling the embedding
-    (an output projection tied by hand, ``h @ emb.weight.T``), or, with ``direct=False``, that
+    """A checkpointed segment that reads the embedding's weight outside any module's forward (an
+    output projection tied by hand, ``h @ emb.weight.T``): with the block (``"block"``), or alone
+    after it (``"head"``: no module of the model is recomputed); or (``"calls"``) a segment that
     calls its own output layer only."""
 
-    def __init__(self, direct: bool, reentrant: bool = True):
+    def __init__(self, how: str):
         super().__init__()
         self.emb = torch.nn.Embedding(10, 8)
         self.blk = torch.nn.Linear(8, 8)
         self.out = torch.nn.Linear(8, 10)
-        self.direct, self.reentrant = direct, reentrant
-
-    def _segment(self, h):
-        h = torch.tanh(self.blk(h))
-        return h @ self.emb.weight.T if self.direct else self.out(h)
+        self.how = how
 
     def forward(self, x):
-        return torch.utils.checkpoint.checkpoint(self._segment, self.emb(x), use_reentrant=self.reentrant)
+        h = self.emb(x)
+        if self.how == "head":
+            return torch.utils.checkpoint.checkpoint(lambda h: h @ self.emb.weight.T, torch.tanh(self.blk(h)),
+                                                     use_reentrant=True)
+        head = (lambda h: h @ self.emb.weight.T) if self.how == "block" else self.out
+        return torch.utils.checkpoint.checkpoint(lambda h: head(torch.tanh(self.blk(h))), h, use_reentrant=True)
 
 
-def _read_off(rank: int, stage: int, units: list | None, direct: bool, how: str) -> str | None:
+def _read_off(rank: int, stage: int, units: list | None, how: str, call: str) -> str | None:
     torch.manual_seed(0)
-    model = _ReadsEmbedding(direct)
+    model = _ReadsEmbedding(how)
     model(torch.tensor([[1]])).sum().backward()  # a .grad the model had before init: not the call's
     state = zfunc.init(model, zfunc.Config(stage=stage, units=units, persist_threshold=0,
                                            optimizer=zfunc.sgd(lr=0.5)))
@@ -511,7 +513,7 @@ def _read_off(rank: int, stage: int, units: list | None, direct: bool, how: str)
     loss = lambda m, x: m(x).square().mean()  # noqa: E731
     try:
         for _ in range(2):
-            if how == "backward_step":
+            if call == "backward_step":
                 state, _ = zfunc.backward_step(state, loss, x)
             else:
                 out, pullback = zfunc.vjp(state, lambda m: loss(m, x))
@@ -524,13 +526,87 @@ def _read_off(rank: int, stage: int, units: list | None, direct: bool, how: str)
 
 def test_a_segment_reading_a_weight_off_a_module_it_does_not_call_is_refused():
     """Under reentrant checkpointing such a read sends that gradient to the module's own
-    ``.grad`` (the recompute hooks bind a parameter while its module runs): the backward raises
-    at its end, naming the parameter, on every rank, at every stage, instead of training without
-    it. A segment that calls its modules trains (a ``.grad`` the model had before ``init`` is
-    not taken for one)."""
+    ``.grad`` (the recompute hooks bind a module's parameters while it, or a module above it,
+    runs): the backward raises at its end, naming the parameter, on every rank, at every stage,
+    whether or not a module of the model is recomputed in it, instead of training without it. A
+    segment that calls its modules trains (a ``.grad`` the model had before ``init`` is not taken
+    for a read)."""
     for stage, units in ((0, None), (2, None), (3, None), (3, ["blk"])):
-        for how in ("backward_step", "vjp"):
-            for message in run_ranks(_read_off, 2, stage, units, True, how):
-                assert message is not None and "read ['emb.weight'] without calling the module" in message, (
-                    stage, units, how, message)
-            assert run_ranks(_read_off, 2, stage, units, False, how) == [None, None], (stage, units, how)
+        for call in ("backward_step", "vjp"):
+            for how in ("block", "head"):
+                for message in run_ranks(_read_off, 2, stage, units, how, call):
+                    assert message is not None and "read ['emb.weight'] outside the forward of the module" in message, (
+                        stage, units, how, call, message)
+            assert run_ranks(_read_off, 2, stage, units, "calls", call) == [None, None], (stage, units, call)
+
+
+class _Encoder(torch.nn.Module):
+    """Torch's own ``nn.TransformerEncoderLayer`` under checkpointing: its attention's forward
+    reads ``out_proj.weight`` and ``out_proj.bias`` without calling ``out_proj``."""
+
+    def __init__(self, ckpt: str | None):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 16)
+        self.layer = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.ckpt = ckpt
+
+    def forward(self, x):
+        h = self.inp(x)
+        if self.ckpt is None:
+            return self.layer(h)
+        return torch.utils.checkpoint.checkpoint(self.layer, h, use_reentrant=self.ckpt == "reentrant")
+
+
+def _encoder(rank: int, stage: int, ckpt: str | None) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    # SGD: the recomputed attention sums in another order (about 1e-8 apart), which Adam's first
+    # steps would turn into lr-sized moves wherever a gradient is about zero
+    state = zfunc.init(_Encoder(ckpt), zfunc.Config(stage=stage, optimizer=zfunc.sgd(lr=0.1)))
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        state, _ = zfunc.backward_step(state, lambda m, x: m(x).square().mean(), torch.randn(2, 3, 8, generator=g))
+        state = zfunc.apply_step(state)
+    return list(zfunc.full_params(state).values())
+
+
+def test_a_module_reading_a_childs_weight_in_its_forward_recomputes_on_the_call():
+    """A recomputed module gets its whole subtree's parameters from the call, not only its own:
+    torch's ``nn.MultiheadAttention`` reads its ``out_proj`` parameters in its own forward. Three
+    steps of ``nn.TransformerEncoderLayer`` under either checkpointing equal the unchecked run."""
+    for stage in (0, 2):
+        plain = run_ranks(_encoder, 2, stage, None)
+        for ckpt in ("reentrant", "nonreentrant"):
+            for a, b in zip(plain, run_ranks(_encoder, 2, stage, ckpt)):
+                assert max((x - y).abs().max().item() for x, y in zip(a, b)) < 1e-6, (stage, ckpt)
+
+
+def _beside_a_pending_pullback(stage: int, units: list) -> float:
+    """Two steps of a fresh state while a state made earlier from the same module has a
+    pullback pending (its graph, and so its binding's hooks, still on the module); against the
+    same two steps with nothing pending."""
+    cfg = zfunc.Config(stage=stage, units=units, persist_threshold=0, optimizer=zfunc.sgd(lr=0.5))
+    loss = lambda m, x: m(x).square().mean()  # noqa: E731
+    x = torch.tensor([[1, 2, 3]])
+
+    def two_steps(state):
+        for _ in range(2):
+            state, _ = zfunc.backward_step(state, loss, x)
+            state = zfunc.apply_step(state)
+        return zfunc.full_params(state)
+
+    torch.manual_seed(0)
+    model = _ReadsEmbedding("calls")
+    out, pullback = zfunc.vjp(zfunc.init(model, cfg), lambda m: loss(m, x))
+    beside = two_steps(zfunc.init(model, cfg))
+    torch.manual_seed(0)
+    alone = two_steps(zfunc.init(_ReadsEmbedding("calls"), cfg))
+    del out, pullback
+    return max((beside[k] - alone[k]).abs().max().item() for k in alone)
+
+
+def test_a_fresh_state_beside_a_pending_pullback_recomputes_on_its_own_call():
+    """The earlier state's unit hooks are on the module too; in the fresh state's backward they
+    do nothing (no backward through their calls runs), so its recomputation binds its own call's
+    units, not the pending call's."""
+    for stage in (1, 3):
+        assert _beside_a_pending_pullback(stage, ["blk"]) == 0.0, stage

@@ -298,7 +298,10 @@ class ModuleBinding(Routing):
         recomputes a forward during backward (activation checkpointing), outside zfunc's call,
         the module runs on the latest call's parameters (`_rebind_in`), not on the module's own.
         A parameter is read by the forward of the module holding it, or, when that module has no
-        forward (``nn.ParameterList``, ``nn.ParameterDict``), by its nearest ancestor's."""
+        forward (``nn.ParameterList``, ``nn.ParameterDict``), by its nearest ancestor's. A module's
+        hooks put in its whole subtree's parameters, not only its own: a forward may read a
+        child's parameter without calling the child (``nn.MultiheadAttention`` reads
+        ``out_proj.weight`` in its own forward)."""
         outside = [n for n, _ in self.module.named_parameters() if n not in self.unit_params]
         modules = dict(self.module.named_modules(remove_duplicate=False))
         path_of: dict[int, str] = {}
@@ -313,6 +316,12 @@ class ModuleBinding(Routing):
                 mod = modules[path]
             owners.setdefault(id(mod), []).append(slot)
             reader[id(mod)] = mod
+        held = [(path_of[id(slot[1])], slot) for slots in owners.values() for slot in slots]
+        for key in owners:  # each reader's subtree
+            top = path_of[key]
+            mine = {(id(owner), attr) for _, owner, attr in owners[key]}
+            owners[key] += [slot for path, slot in held if (id(slot[1]), slot[2]) not in mine
+                            and (not top or path.startswith(top + "."))]
         me, flight = weakref.ref(self), self.flight
 
         def pre(slots: list) -> Any:
@@ -338,7 +347,7 @@ class ModuleBinding(Routing):
     def _rebind_in(self, mod: torch.nn.Module, slots: list[tuple[str, torch.nn.Module, str]]) -> bool:
         """In a forward recomputed during backward: put the parameters of the call whose backward
         this is in place (`_source`: found from the graph)."""
-        if self.flight.current() is not None:
+        if self.flight.current() is not None or not self.flight.backwards:  # (not a backward through our calls)
             return False
         task = graph_task()
         if task == -1:
@@ -354,8 +363,6 @@ class ModuleBinding(Routing):
         except BaseException:
             self.release()
             raise
-        if not self._members:  # (the engine checks its module's own gradients at step())
-            self.reads.watch(task)
         return True
 
     def _source(self, task: int | None = None) -> Any:
@@ -418,7 +425,7 @@ class ModuleBinding(Routing):
         call = self.flight.current()
         if call is not None:
             return call.units if call.state.binding is self else None
-        if self.stage == 3 and _in_backward():
+        if self.stage == 3 and _in_backward() and self.flight.backwards:  # (a backward through another's calls: not ours)
             return self._source()
         return None
 
@@ -433,8 +440,6 @@ class ModuleBinding(Routing):
             if call is not None:
                 b.occupy()  # a recomputation in backward too (released by the post-hook, which always runs)
                 call.enter(i, slots)
-                if b.flight.current() is None and not b._members:  # a recomputation: watched as in `_rebind_in`
-                    b.reads.watch(graph_task())
             elif b._rebind_in(mod, slots):  # stages 1-2, a forward recomputed in backward
                 pass
             elif b.donated:
@@ -584,6 +589,8 @@ class ModuleBinding(Routing):
         with self._users_lock:
             self._forget_source()
         self.attach(_RECOMPUTE)
+        if not self._members:  # (the engine checks its module's own gradients at step())
+            self.reads.watch(graph_task())
 
     def _forget_source(self) -> None:
         """(Under the lock.) `_source`'s kept answer may be stale: found afresh next time."""

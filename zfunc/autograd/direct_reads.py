@@ -2,14 +2,14 @@
 
 Activation checkpointing runs part of the model again during backward, outside zfunc's call;
 the recompute hooks (`zfunc.autograd.binding`) put the call's parameters in a module's entries
-while that module runs. A segment that reads a parameter without calling the module holding it
-(a parent reading a child's weight, ``h @ emb.weight.T`` in a block) gets the module's own
-tensor instead. Under reentrant checkpointing the segment's own backward then adds that part of
-the gradient to the module's own ``.grad``, where nothing trains on it: `DirectReads` sees it
-when the backward ends and raises, naming the parameters. (Under non-reentrant checkpointing the
-same read computes with the module's own values and no gradient lands there: not detected.)
-The engine checks the same ``.grad`` at ``step()`` on its own (`zfunc.compat.engine`), so a
-routed module is not watched here.
+(its whole subtree's) while that module runs. A segment that reads a parameter outside every
+hooked module's forward (``h @ emb.weight.T`` in a checkpointed function of its own) gets the
+module's own tensor instead. Under reentrant checkpointing the segment's own backward then adds
+that part of the gradient to the module's own ``.grad``, where nothing trains on it:
+`DirectReads` sees it when the backward ends and raises, naming the parameters. (Under
+non-reentrant checkpointing the same read computes with the module's own values and no gradient
+lands there: not detected.) The engine checks the same ``.grad`` at ``step()`` on its own
+(`zfunc.compat.engine`), so a routed module is not watched here.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ __all__ = ["DirectReads"]
 
 
 class DirectReads:
-    """The module's trained parameters (its own tensors) and, for each backward that recomputes
-    a forward of it, their ``.grad`` as the first recomputation started (`watch`); at that
-    backward's end a gradient that appeared or grew since is refused (`check`).
+    """The module's trained parameters (its own tensors, by name) and, for each backward through
+    a call's outputs, their ``.grad`` as it reached them (`watch`); at that backward's end a
+    gradient that appeared or grew since is refused (`check`).
 
     Examples:
         >>> import torch
@@ -44,20 +44,23 @@ class DirectReads:
     """
 
     def __init__(self, module: torch.nn.Module, names: Sequence[str]):
+        # The module's own tensors, held here: its entries hold another call's while one runs
+        # (in another thread too), so they are not read for this.
         own = dict(module.named_parameters())
-        self.params = [(n, own[n]) for n in names if n in own]
+        self.params = [(name, own[name]) for name in names if name in own]
         # By graph task. A backward that raises drops its final callbacks unrun: its record is
         # let go once `_KEPT` newer ones exist (no tensor is held: ids and versions only).
         self._before: dict[int, dict[str, tuple[int, int]]] = {}
         self._lock = threading.Lock()
 
     def grads(self) -> dict[str, tuple[int, int]]:
-        """Each trained parameter's ``.grad`` now: its id and version (an add in place changes it)."""
-        return {n: (id(g), g._version) for n, p in self.params if (g := p.grad) is not None}
+        """Each trained parameter's ``.grad`` now: its id and version (an add in place changes it).
+        One pass over the parameters in each backward: kept to attribute reads."""
+        return {name: (id(g), g._version) for name, p in self.params if (g := p.grad) is not None}
 
     def watch(self, task: int) -> None:
-        """Backward ``task`` recomputes a forward: note the gradients now, check them at its end
-        (queued after what the recomputation queued, so its gradients are handed over first)."""
+        """Backward ``task`` reached a call's outputs: note the gradients now, check them at its
+        end (after what else it queued: its gradients are handed over first)."""
         if task in self._before or task == -1:
             return
         with self._lock:  # (another thread's backward may watch at once)
@@ -73,21 +76,19 @@ class DirectReads:
         Raises:
             RuntimeError: naming the parameters and what to do instead.
         """
-        stray = []
-        for n, p in self.params:
-            g, seen = p.grad, before.get(n)
-            if g is not None and (seen is None or seen != (id(g), g._version)):
-                stray.append(n)
+        now = self.grads()
+        stray = [name for name, seen in now.items() if before.get(name) != seen]
         if stray:
             raise RuntimeError(
                 f"activation checkpointing recomputed a forward that read {stray[:3]}"
-                f"{' and more' if len(stray) > 3 else ''} without calling the module holding it (a block "
-                "reading another module's weight, such as h @ emb.weight.T): zfunc puts a call's parameters in a "
-                "module's entries while that module runs, so the recomputation read the module's own tensor and "
-                "its gradient went to that tensor's .grad, not to the state. Read the parameter through its "
-                "module (call the module, or give the reading block a module of its own that holds or ties it), "
-                "or keep that read outside the checkpointed segment (use_reentrant=False does not help: the "
-                "recomputation would compute with the module's own values)")
+                f"{' and more' if len(stray) > 3 else ''} outside the forward of the module holding it (a "
+                "checkpointed function using another module's weight, such as h @ emb.weight.T): zfunc puts a "
+                "call's parameters in a module's entries while that module (or one above it) runs, so the "
+                "recomputation read the module's own tensor and its gradient went to that tensor's .grad, not to "
+                "the state. Read the parameter inside a module's forward (call the module, or give the "
+                "checkpointed code a module that holds or ties it), or keep that read outside the checkpointed "
+                "segment (use_reentrant=False does not help: the recomputation would compute with the module's "
+                "own values)")
 
     def forget(self, task: int) -> dict[str, tuple[int, int]] | None:
         with self._lock:
@@ -98,14 +99,20 @@ _KEPT = 16  # records of backwards under way, at most (more at once than any rea
 
 
 class _Ended:
-    """A watched backward's end (autograd's final callback): its check."""
+    """A watched backward's end (autograd's final callback): its check, queued once more when
+    it first runs, so it runs after every callback the backward queued meanwhile (the call's
+    own reduces finish before a refusal)."""
 
-    __slots__ = ("ref", "task")
+    __slots__ = ("ref", "task", "again")
 
     def __init__(self, ref: weakref.ref, task: int):
-        self.ref, self.task = ref, task
+        self.ref, self.task, self.again = ref, task, True
 
     def __call__(self) -> None:
+        if self.again:
+            self.again = False
+            at_backward_end(self)
+            return
         reads = self.ref()
         before = None if reads is None else reads.forget(self.task)
         if before is not None:
