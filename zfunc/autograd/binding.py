@@ -301,7 +301,9 @@ class ModuleBinding(Routing):
         forward (``nn.ParameterList``, ``nn.ParameterDict``), by its nearest ancestor's. A module's
         hooks put in its whole subtree's parameters, not only its own: a forward may read a
         child's parameter without calling the child (``nn.MultiheadAttention`` reads
-        ``out_proj.weight`` in its own forward)."""
+        ``out_proj.weight`` in its own forward). A module holding no parameter of its own has no
+        hooks: its reads of its children's parameters are not covered (`zfunc.autograd.direct_reads`
+        refuses them under reentrant checkpointing)."""
         outside = [n for n, _ in self.module.named_parameters() if n not in self.unit_params]
         modules = dict(self.module.named_modules(remove_duplicate=False))
         path_of: dict[int, str] = {}
@@ -316,12 +318,11 @@ class ModuleBinding(Routing):
                 mod = modules[path]
             owners.setdefault(id(mod), []).append(slot)
             reader[id(mod)] = mod
-        held = [(path_of[id(slot[1])], slot) for slots in owners.values() for slot in slots]
-        for key in owners:  # each reader's subtree
-            top = path_of[key]
+        held = [slot for slots in owners.values() for slot in slots]
+        for key in owners:  # each reader's subtree (by identity: a module may sit under two paths)
+            below = {id(m) for m in reader[key].modules()}
             mine = {(id(owner), attr) for _, owner, attr in owners[key]}
-            owners[key] += [slot for path, slot in held if (id(slot[1]), slot[2]) not in mine
-                            and (not top or path.startswith(top + "."))]
+            owners[key] += [slot for slot in held if id(slot[1]) in below and (id(slot[1]), slot[2]) not in mine]
         me, flight = weakref.ref(self), self.flight
 
         def pre(slots: list) -> Any:
@@ -347,7 +348,7 @@ class ModuleBinding(Routing):
     def _rebind_in(self, mod: torch.nn.Module, slots: list[tuple[str, torch.nn.Module, str]]) -> bool:
         """In a forward recomputed during backward: put the parameters of the call whose backward
         this is in place (`_source`: found from the graph)."""
-        if self.flight.current() is not None or not self.flight.backwards:  # (not a backward through our calls)
+        if self.flight.current() is not None:
             return False
         task = graph_task()
         if task == -1:
@@ -440,7 +441,7 @@ class ModuleBinding(Routing):
             if call is not None:
                 b.occupy()  # a recomputation in backward too (released by the post-hook, which always runs)
                 call.enter(i, slots)
-            elif b._rebind_in(mod, slots):  # stages 1-2, a forward recomputed in backward
+            elif b.stage != 3 and b._rebind_in(mod, slots):  # stages 1-2, a forward recomputed in backward
                 pass
             elif b.donated:
                 b._refuse()

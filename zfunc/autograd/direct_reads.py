@@ -39,8 +39,8 @@ class DirectReads:
         >>> try:
         ...     reads.check(before)
         ... except RuntimeError as e:
-        ...     print(str(e)[:74])
-        activation checkpointing recomputed a forward that read ['weight', 'bias']
+        ...     print(str(e)[:73])
+        a backward through a zfunc call put gradients in the .grad of the model's
     """
 
     def __init__(self, module: torch.nn.Module, names: Sequence[str]):
@@ -80,15 +80,16 @@ class DirectReads:
         stray = [name for name, seen in now.items() if before.get(name) != seen]
         if stray:
             raise RuntimeError(
-                f"activation checkpointing recomputed a forward that read {stray[:3]}"
-                f"{' and more' if len(stray) > 3 else ''} outside the forward of the module holding it (a "
-                "checkpointed function using another module's weight, such as h @ emb.weight.T): zfunc puts a "
-                "call's parameters in a module's entries while that module (or one above it) runs, so the "
-                "recomputation read the module's own tensor and its gradient went to that tensor's .grad, not to "
-                "the state. Read the parameter inside a module's forward (call the module, or give the "
-                "checkpointed code a module that holds or ties it), or keep that read outside the checkpointed "
-                "segment (use_reentrant=False does not help: the recomputation would compute with the module's "
-                "own values)")
+                f"a backward through a zfunc call put gradients in the .grad of the model's own {stray[:3]}"
+                f"{' and more' if len(stray) > 3 else ''}, which zfunc never trains on: the module's own "
+                "tensors were used outside zfunc's call. Either a reentrant activation-checkpointed segment read a "
+                "parameter outside the forward of every module holding it (such as h @ emb.weight.T in the "
+                "checkpointed function: zfunc puts a call's parameters in a module's entries while that module, "
+                "or one above it holding parameters, runs): read it inside such a module's forward, or keep it "
+                "out of the segment (use_reentrant=False does not help: the recomputation would compute with the "
+                "module's own values); or the loss computed with the original module's parameters (a penalty "
+                "over model.parameters()): use the bound model loss_fn receives (its named_parameters()), or "
+                "Config weight_decay for L2")
 
     def forget(self, task: int) -> dict[str, tuple[int, int]] | None:
         with self._lock:
