@@ -191,10 +191,10 @@ class _Reducer:
         to back in one bucket (`runs`) go in place as one."""
         arrived = list(map(operator.is_not, grads, itertools.repeat(None)))
         items = []
-        joins = _joinable(self.dtype, self.sink.grad)
+        join = _joinable(self.dtype, self.sink.grad)
         for key, grad in zip(itertools.compress(keys, arrived), itertools.compress(grads, arrived)):
             k, slot = self.slots[key]
-            if k < self.next or grad.dtype not in joins or not grad.is_contiguous():
+            if k < self.next or not join or grad.dtype != self.dtype or not grad.is_contiguous():
                 self._put(key, grad)  # refused there; another dtype or strided: one by one, as it is
             else:
                 items.append(((k, key not in self.missing[k]), slot.offset, key, grad))
@@ -394,20 +394,21 @@ RUN = 1 << 20
 _WIDE = frozenset({torch.float32, torch.float64})
 
 
-def _joinable(*dtypes: Any) -> frozenset:
-    """The gradient dtypes whose runs go in place as one, given the dtypes (or tensors) they go
-    into: fp32 or fp64 throughout. A sum or copy into or from 16 bits is rounded by kernels that
-    treat a vectorised body and its tail, or a short and a long tensor (the widening kernel,
+def _joinable(*dtypes: Any) -> bool:
+    """Whether runs of gradients of these dtypes (or tensors') go in place as one: one dtype
+    throughout, fp32 or fp64. A sum or copy into or from 16 bits is rounded by kernels that treat
+    a vectorised body and its tail, or a short and a long tensor (the widening kernel,
     `zfunc.distributed.widen`), differently, so a run's elements could round otherwise than one
     by one; those go one by one."""
     found = {getattr(d, "dtype", d) for d in dtypes if d is not None}
-    return frozenset(found) if len(found) == 1 and found <= _WIDE else frozenset()
+    return len(found) == 1 and found <= _WIDE
 
 
 def runs(items: list[tuple[Any, int, Any, torch.Tensor]]) -> list[tuple[Any, int, list[Any], list[torch.Tensor]]]:
     """``(group, offset, keys, gradients)`` for each run of ``items`` (``(group, offset, key,
-    gradient)``, sorted by group and offset) whose small gradients (`SMALL`) of one group and
-    dtype lie back to back (up to `RUN` elements a run); any other gradient is a run of its own. A run of several is put in place as one
+    gradient)``, sorted by group and offset, gradients of one dtype: `_joinable`) whose small
+    gradients (`SMALL`) of one group lie back to back (up to `RUN` elements a run); any other
+    gradient is a run of its own. A run of several is put in place as one
     (``torch._utils._flatten_dense_tensors``, one concatenation): one call into torch, not one per
     parameter, for a model of many small parameters.
 
@@ -422,7 +423,7 @@ def runs(items: list[tuple[Any, int, Any, torch.Tensor]]) -> list[tuple[Any, int
     end, last, size = -1, None, 0  # where the last run of small gradients ends, its group and size
     for group, offset, key, grad in items:
         n = grad.numel()
-        if n <= SMALL and offset == end and group == last and grad.dtype == out[-1][3][0].dtype and size + n <= RUN:
+        if n <= SMALL and offset == end and group == last and size + n <= RUN:
             out[-1][2].append(key)
             out[-1][3].append(grad)
             size += n

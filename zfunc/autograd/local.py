@@ -88,8 +88,9 @@ class _AddLocal:
                 self(key, grad)
             return
         batch.sort(key=operator.itemgetter(1))
-        rest = [(key, grad) for _, key, _, grad in batch]
-        if acc.dtype in _joinable(acc):
+        if not _joinable(acc):  # 16 bits: one by one (`_joinable`)
+            rest = [(key, grad) for _, key, _, grad in batch]
+        else:
             rest = []
             for _, start, _, run in runs(batch):
                 if len(run) == 1:
