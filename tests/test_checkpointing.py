@@ -540,14 +540,29 @@ def test_a_segment_reading_a_weight_off_a_module_it_does_not_call_is_refused():
             assert run_ranks(_read_off, 2, stage, units, "calls", call) == [None, None], (stage, units, call)
 
 
-class _Encoder(torch.nn.Module):
-    """Torch's own ``nn.TransformerEncoderLayer`` under checkpointing: its attention's forward
-    reads ``out_proj.weight`` and ``out_proj.bias`` without calling ``out_proj``."""
+class _Head(torch.nn.Module):
+    """Holds no parameter of its own: its forward reads its child's weight and bias without
+    calling the child (a tied projection written ``F.linear(h, self.proj.weight)``)."""
 
-    def __init__(self, ckpt: str | None):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, h):
+        return torch.tanh(torch.nn.functional.linear(h, self.proj.weight) + self.proj.bias)
+
+
+class _Encoder(torch.nn.Module):
+    """Under checkpointing, a module whose forward reads a child's parameters: torch's own
+    ``nn.TransformerEncoderLayer`` (``"encoder"``: its attention's forward reads
+    ``out_proj.weight`` and ``out_proj.bias`` without calling ``out_proj``), or `_Head`
+    (``"head"``)."""
+
+    def __init__(self, ckpt: str | None, kind: str = "encoder"):
         super().__init__()
         self.inp = torch.nn.Linear(8, 16)
-        self.layer = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.layer = (torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+                      if kind == "encoder" else _Head())
         self.ckpt = ckpt
 
     def forward(self, x):
@@ -557,11 +572,12 @@ class _Encoder(torch.nn.Module):
         return torch.utils.checkpoint.checkpoint(self.layer, h, use_reentrant=self.ckpt == "reentrant")
 
 
-def _encoder(rank: int, stage: int, ckpt: str | None) -> list[torch.Tensor]:
+def _encoder(rank: int, stage: int, ckpt: str | None, kind: str = "encoder") -> list[torch.Tensor]:
     torch.manual_seed(0)
     # SGD: the recomputed attention sums in another order (about 1e-8 apart), which Adam's first
     # steps would turn into lr-sized moves wherever a gradient is about zero
-    state = zfunc.init(_Encoder(ckpt), zfunc.Config(stage=stage, optimizer=zfunc.sgd(lr=0.1)))
+    cfg = zfunc.Config(stage=stage, persist_threshold=0, optimizer=zfunc.sgd(lr=0.1))
+    state = zfunc.init(_Encoder(ckpt, kind), cfg)
     g = torch.Generator().manual_seed(rank)
     for _ in range(3):
         state, _ = zfunc.backward_step(state, lambda m, x: m(x).square().mean(), torch.randn(2, 3, 8, generator=g))
@@ -569,14 +585,17 @@ def _encoder(rank: int, stage: int, ckpt: str | None) -> list[torch.Tensor]:
     return list(zfunc.full_params(state).values())
 
 
-def test_a_module_reading_a_childs_weight_in_its_forward_recomputes_on_the_call():
-    """A recomputed module gets its whole subtree's parameters from the call, not only its own:
-    torch's ``nn.MultiheadAttention`` reads its ``out_proj`` parameters in its own forward. Three
-    steps of ``nn.TransformerEncoderLayer`` under either checkpointing equal the unchecked run."""
-    for stage in (0, 2):
-        plain = run_ranks(_encoder, 2, stage, None)
+@pytest.mark.parametrize("kind", ["encoder", "head"])
+def test_a_module_reading_a_childs_weight_in_its_forward_recomputes_on_the_call(kind):
+    """The outermost recomputed module puts in its whole subtree's parameters from the call, not
+    only its own, and a module holding none of its own does too: torch's
+    ``nn.MultiheadAttention`` reads its ``out_proj`` parameters in its own forward; `_Head`
+    holds no parameter and reads its child's. Three steps under either checkpointing equal the
+    unchecked run."""
+    for stage in (0, 2, 3):
+        plain = run_ranks(_encoder, 2, stage, None, kind)
         for ckpt in ("reentrant", "nonreentrant"):
-            for a, b in zip(plain, run_ranks(_encoder, 2, stage, ckpt)):
+            for a, b in zip(plain, run_ranks(_encoder, 2, stage, ckpt, kind)):
                 assert max((x - y).abs().max().item() for x, y in zip(a, b)) < 1e-6, (stage, ckpt)
 
 

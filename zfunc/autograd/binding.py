@@ -167,6 +167,9 @@ class ModuleBinding(Routing, Recompute):
         self._last_source: tuple[int, weakref.ref] | None = None  # (graph task, its call): `_source`
         self._generation = 0  # counts what can change `_source`'s answer (a call added, a backward reaching one)
         self._rebound: dict[tuple[int, int], list[list[tuple[torch.nn.Module, str, Any]]]] = {}  # by thread, module
+        # By thread: the recomputed modules running now, innermost last, each with its subtree,
+        # graph task and what it swapped in (None: an enclosing one's covers it), `_cover_in`.
+        self._covering: dict[int, list[tuple[int, frozenset, int, Any]]] = {}
         if stage == 3:
             self._install_unit_hooks([(i, u.name, [s.name for s in u.slots]) for i, u in enumerate(layout.units)
                                       if u.name != "root"])

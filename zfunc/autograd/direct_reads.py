@@ -85,7 +85,7 @@ class DirectReads:
                 "tensors were used outside zfunc's call. Either a reentrant activation-checkpointed segment read a "
                 "parameter outside the forward of every module holding it (such as h @ emb.weight.T in the "
                 "checkpointed function: zfunc puts a call's parameters in a module's entries while that module, "
-                "or one above it holding parameters, runs): read it inside such a module's forward, or keep it "
+                "or one above it, runs): read it inside such a module's forward, or keep it "
                 "out of the segment (use_reentrant=False does not help: the recomputation would compute with the "
                 "module's own values); or the loss computed with the original module's parameters (a penalty "
                 "over model.parameters()): use the bound model loss_fn receives (its named_parameters()), or "

@@ -1,6 +1,6 @@
 """The recompute binding: a forward that activation checkpointing recomputes during backward,
 outside zfunc's call, runs on the parameters of the call whose backward it is. A mixin of
-`zfunc.autograd.binding.ModuleBinding`: forward pre/post hooks on each module whose forward reads
+`zfunc.autograd.binding.ModuleBinding`: forward pre/post hooks on each module whose subtree holds
 parameters outside the units (`Recompute._install_recompute_hooks`), put on when a backward
 reaches a call's outputs (`Recompute._reached`) and acting only while one runs; the call is found
 from the graph (`Recompute._source`).
@@ -26,7 +26,7 @@ CALL, RECOMPUTE = 0, 1  # the phases of `zfunc.autograd.binding.ModuleBinding.at
 
 class Recompute:
     """The recompute hooks of a binding (``module``, ``unit_params``, ``flight``, ``reads``,
-    ``_specs``, ``_slots``, ``_rebound``, ``_watch``, ``_members``, the ``_users_lock``,
+    ``_specs``, ``_slots``, ``_rebound``, ``_covering``, ``_watch``, ``_members``, the ``_users_lock``,
     ``occupy``/``release``/``attach`` are the binding's)."""
 
     module: torch.nn.Module
@@ -35,6 +35,7 @@ class Recompute:
     reads: DirectReads
     _specs: list[Any]
     _rebound: dict[tuple[int, int], list[Any]]
+    _covering: dict[int, list[tuple[int, frozenset, int, Any]]]
     _watch: set[weakref.ref]
     _members: list[Any]
     _users_lock: Any
@@ -42,44 +43,30 @@ class Recompute:
     _last_source: tuple[int, weakref.ref] | None
 
     def _install_recompute_hooks(self) -> None:
-        """Hooks on each module whose forward reads parameters outside the units: when autograd
-        recomputes a forward during backward (activation checkpointing), outside zfunc's call,
-        the module runs on the latest call's parameters (`_rebind_in`), not on the module's own.
-        A parameter is read by the forward of the module holding it, or, when that module has no
-        forward (``nn.ParameterList``, ``nn.ParameterDict``), by its nearest ancestor's. A module's
-        hooks put in its whole subtree's parameters, not only its own: a forward may read a
-        child's parameter without calling the child (``nn.MultiheadAttention`` reads
-        ``out_proj.weight`` in its own forward). A module holding no parameter of its own has no
-        hooks: its reads of its children's parameters are not covered (`zfunc.autograd.direct_reads`
-        refuses them under reentrant checkpointing)."""
+        """Hooks on each module that can read parameters outside the units in its forward: every
+        module with a forward whose subtree holds one (the holder, and each module above it; a
+        forward reads its children's parameters without calling them, as ``nn.MultiheadAttention``
+        reads ``out_proj.weight``, or a tied head ``F.linear(h, self.emb.weight)`` does). When
+        autograd recomputes a forward during backward (activation checkpointing), outside zfunc's
+        call, the outermost such module recomputed puts the latest call's parameters of its whole
+        subtree in place (`_cover_in`) until it returns; the modules it calls find theirs there
+        already. A read outside every module's forward (``h @ emb.weight.T`` in the checkpointed
+        function itself) is not covered (`zfunc.autograd.direct_reads` refuses it under reentrant
+        checkpointing)."""
         outside = [n for n, _ in self.module.named_parameters() if n not in self.unit_params]
-        modules = dict(self.module.named_modules(remove_duplicate=False))
-        path_of: dict[int, str] = {}
-        for path, mod in modules.items():
-            path_of.setdefault(id(mod), path)
-        owners: dict[int, list[tuple[str, torch.nn.Module, str]]] = {}
-        reader: dict[int, torch.nn.Module] = {}
-        for slot in self._slots(outside):
-            path, mod = path_of[id(slot[1])], slot[1]
-            while path and type(mod).forward is torch.nn.Module.forward:  # never called: its parent reads it
-                path = path.rpartition(".")[0]
-                mod = modules[path]
-            owners.setdefault(id(mod), []).append(slot)
-            reader[id(mod)] = mod
-        held = [slot for slots in owners.values() for slot in slots]
-        for key in owners:  # each reader's subtree (by identity: a module may sit under two paths)
-            below = {id(m) for m in reader[key].modules()}
-            mine = {(id(owner), attr) for _, owner, attr in owners[key]}
-            owners[key] += [slot for slot in held if id(slot[1]) in below and (id(slot[1]), slot[2]) not in mine]
+        slots = self._slots(outside)
         me, flight = weakref.ref(self), self.flight
 
-        def pre(slots: list) -> Any:
+        def pre(slots: list, below: frozenset) -> Any:
+            names = [n for n, _, _ in slots]
+            places = [(owner._parameters, attr) for _, owner, attr in slots]
+
             def hook(mod: torch.nn.Module, args: Any) -> None:
                 if flight.backwards == 0:  # a forward: nothing to do (and compiled blocks trace this)
                     return
                 b = me()
                 if b is not None:
-                    b._rebind_in(mod, slots)
+                    b._cover_in(mod, names, places, below)
             return hook
 
         def post(mod: torch.nn.Module, args: Any, out: Any) -> None:
@@ -87,15 +74,63 @@ class Recompute:
                 return
             b = me()
             if b is not None:
-                b._rebind_out(mod)
+                b._cover_out(mod)
 
-        for key, slots in owners.items():
-            mod = reader[key]
-            self._specs += [(mod, True, pre(slots), RECOMPUTE), (mod, False, post, RECOMPUTE)]
+        seen: set[int] = set()
+        for mod in self.module.modules():  # each module once (by identity)
+            if id(mod) in seen or type(mod).forward is torch.nn.Module.forward:  # never called
+                continue
+            seen.add(id(mod))
+            below = frozenset(id(m) for m in mod.modules())
+            mine = [slot for slot in slots if id(slot[1]) in below]
+            if mine:
+                self._specs += [(mod, True, pre(mine, below), RECOMPUTE), (mod, False, post, RECOMPUTE)]
+
+    def _cover_in(self, mod: torch.nn.Module, names: list[str], places: list[tuple[dict, str]],
+                  below: frozenset) -> None:
+        """In a forward recomputed during backward: unless a module recomputed around this one
+        in this backward put in its subtree's parameters already (``mod`` among them), put the
+        parameters of the call whose backward this is (`_source`: found from the graph) in
+        ``mod``'s subtree's entries, until ``mod`` returns (`_cover_out`)."""
+        me = threading.get_ident()
+        stack = self._covering.get(me)
+        task = graph_task()
+        if stack:
+            key = id(mod)
+            for _, covered, at, swapped in stack:
+                if swapped is not None and at == task and key in covered:
+                    stack.append((key, covered, task, None))  # nothing to put back at its end
+                    return
+        if task == -1 or self.flight.current() is not None:
+            return
+        source = self._source(task)
+        if source is None:
+            return
+        self.occupy()
+        try:
+            views = source.views(names)
+            swapped = swap_in((entries, attr, views[n]) for n, (entries, attr) in zip(names, places))
+        except BaseException:
+            self.release()
+            raise
+        self._covering.setdefault(me, []).append((id(mod), below, task, swapped))
+
+    def _cover_out(self, mod: torch.nn.Module) -> None:
+        me = threading.get_ident()
+        stack = self._covering.get(me)
+        if not stack or stack[-1][0] != id(mod):
+            return
+        swapped = stack.pop()[3]
+        if not stack:
+            del self._covering[me]
+        if swapped is not None:
+            put_back(swapped)
+            self.release()
 
     def _rebind_in(self, mod: torch.nn.Module, slots: list[tuple[str, torch.nn.Module, str]]) -> bool:
-        """In a forward recomputed during backward: put the parameters of the call whose backward
-        this is in place (`_source`: found from the graph)."""
+        """A unit module (stages 1-2 with units) in a forward recomputed during backward: put the
+        parameters of the call whose backward this is in place (`_source`: found from the graph)
+        until it returns (`_rebind_out`)."""
         if self.flight.current() is not None:
             return False
         task = graph_task()
