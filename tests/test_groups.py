@@ -118,8 +118,13 @@ def _engine_nanogpt(rank: int, name: str, stage: int) -> float:
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_nanogpt_loop_matches_torch(world, stage):
+    # Over three ranks the mean is 1/3 (not a binary fraction) and the ranks' gradients are summed
+    # in another order than torch's one process: which elements round apart depends on the CPU's
+    # vector width (one element of blocks.0.qkv.weight ends 1.2e-6 apart after four AdamW steps on
+    # an AVX-512 Xeon, under 1e-6 on an AVX2 EPYC; the other parameters under 6e-8 on both).
+    tol = 1e-6 if world < 3 else 4e-6
     for d in run_ranks(_functional_nanogpt, world, "gpt", stage):
-        assert d < 1e-6, ("functional", d)
+        assert d < tol, ("functional", d)
     for d in run_ranks(_engine_nanogpt, world, "zoo", stage):
         assert d < 1e-6, ("engine", d)
 
