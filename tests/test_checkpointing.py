@@ -1,6 +1,6 @@
 """Activation checkpointing (torch.utils.checkpoint, reentrant or not) trains as without it (bitwise
 when not reentrant), at every stage: the forward autograd recomputes in backward runs outside zfunc's call, on the
-latest call's parameters (`zfunc.autograd.binding.ModuleBinding._rebind_in`), never on the module's own."""
+latest call's parameters (`zfunc.autograd.recompute.Recompute._cover_in`), never on the module's own."""
 
 from __future__ import annotations
 
@@ -597,6 +597,60 @@ def test_a_module_reading_a_childs_weight_in_its_forward_recomputes_on_the_call(
         for ckpt in ("reentrant", "nonreentrant"):
             for a, b in zip(plain, run_ranks(_encoder, 2, stage, ckpt, kind)):
                 assert max((x - y).abs().max().item() for x, y in zip(a, b)) < 1e-6, (stage, ckpt)
+
+
+class _Block(torch.nn.Module):
+    """A unit's module (with ``Config.units``, or stage 3's blocks) whose forward checkpoints
+    one of its own children: the recomputation runs the child, not the unit's module."""
+
+    def __init__(self, ckpt: str | None):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+        self.ckpt = ckpt
+
+    def forward(self, h):
+        h = torch.tanh(self.a(h))
+        if self.ckpt is None:
+            return torch.tanh(self.b(h))
+        return torch.tanh(torch.utils.checkpoint.checkpoint(self.b, h, use_reentrant=self.ckpt == "reentrant"))
+
+
+class _Blocks(torch.nn.Module):
+    def __init__(self, ckpt: str | None):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 8)
+        self.blocks = torch.nn.ModuleList([_Block(ckpt), _Block(ckpt)])
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _blocks(rank: int, cfg: dict, ckpt: str | None) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    state = zfunc.init(_Blocks(ckpt), zfunc.Config(persist_threshold=0, optimizer=zfunc.sgd(lr=0.1), **cfg))
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        state, _ = zfunc.backward_step(state, lambda m, x: m(x).square().mean(), torch.randn(4, 8, generator=g))
+        state = zfunc.apply_step(state)
+    return list(zfunc.full_params(state).values())
+
+
+def test_a_unit_checkpointing_one_of_its_children_recomputes_on_the_call():
+    """A checkpointed child of a unit's module (a block's attention or MLP) is recomputed
+    without the unit's module around it: it puts in its unit's parameters itself (at stage 3
+    the unit gathered again; at stages 1-2 with units, views of the call's buffer). Three steps
+    under either checkpointing equal the unchecked run, with units by default (stage 3), by
+    path and by class."""
+    for cfg in ({"stage": 3}, {"stage": 3, "units": ["blocks.0"]}, {"stage": 3, "units": [_Block]},
+                {"stage": 2, "units": ["blocks.0", "blocks.1"]}, {"stage": 1, "units": [_Block]}):
+        plain = run_ranks(_blocks, 2, cfg, None)
+        for ckpt in ("reentrant", "nonreentrant"):
+            for a, b in zip(plain, run_ranks(_blocks, 2, cfg, ckpt)):
+                assert max((x - y).abs().max().item() for x, y in zip(a, b)) < 1e-6, (cfg, ckpt)
 
 
 def _beside_a_pending_pullback(stage: int, units: list) -> float:

@@ -4,8 +4,8 @@ A `ModuleBinding` is made once per (module, layout) by `zfunc.init` and is stati
 the state. It owns everything zfunc adds to the user's module: at stage 3 a forward pre-hook and
 post-hook on each unit module (they gather the unit for the call that runs it; at stages 1-2 with
 `Config.units` they wait for the unit's all-gather, `zfunc.autograd.forward_gather`), a pre-hook and post-hook
-on each module holding parameters (inert except while a zfunc model's backward recomputes a
-forward, activation checkpointing), and, when the module was donated
+on each module with a forward whose subtree holds parameters (inert except while a zfunc model's
+backward recomputes a forward, activation checkpointing: `zfunc.autograd.recompute`), and, when the module was donated
 (``init(..., donate=True)``), a guard that refuses direct calls (which stays). The hooks hold the
 binding weakly: they leave the module when no state holds the binding, or at
 `ModuleBinding.remove`. Per-call context (which state, which sinks) travels in the binding's
@@ -167,9 +167,11 @@ class ModuleBinding(Routing, Recompute):
         self._last_source: tuple[int, weakref.ref] | None = None  # (graph task, its call): `_source`
         self._generation = 0  # counts what can change `_source`'s answer (a call added, a backward reaching one)
         self._rebound: dict[tuple[int, int], list[list[tuple[torch.nn.Module, str, Any]]]] = {}  # by thread, module
-        # By thread: the recomputed modules running now, innermost last, each with its subtree,
-        # graph task and what it swapped in (None: an enclosing one's covers it), `_cover_in`.
-        self._covering: dict[int, list[tuple[int, frozenset, int, Any]]] = {}
+        # By thread: the recomputed modules running now, innermost last, each with what it puts in
+        # (`OUTSIDE` or a unit), its subtree, graph task and what to undo (None: an enclosing one's
+        # covers it), `_cover_in`; and each unit's index, module and slots.
+        self._covering: dict[int, list[tuple[int, int, frozenset, int, Any]]] = {}
+        self._unit_modules: list[tuple[int, torch.nn.Module, list[tuple[str, torch.nn.Module, str]]]] = []
         if stage == 3:
             self._install_unit_hooks([(i, u.name, [s.name for s in u.slots]) for i, u in enumerate(layout.units)
                                       if u.name != "root"])
@@ -308,6 +310,7 @@ class ModuleBinding(Routing, Recompute):
             self.unit_params.update({n: Unbound(named[n], n, mname) for n in names})
             mod = modules[mname]
             self._specs += [(mod, True, self._enter_hook(i, slots), _CALL), (mod, False, self._leave_hook(i), _CALL)]
+            self._unit_modules.append((i, mod, slots))
 
     def _call(self) -> UnitGatherer | UnitViews | None:
         """The units of the call of this binding that a unit module running now belongs to."""

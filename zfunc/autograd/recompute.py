@@ -22,6 +22,7 @@ from zfunc.autograd.swap import put_back, swap_in
 __all__ = ["Recompute", "CALL", "RECOMPUTE"]
 
 CALL, RECOMPUTE = 0, 1  # the phases of `zfunc.autograd.binding.ModuleBinding.attach`
+OUTSIDE = -1  # what `Recompute._cover_in` puts in: the parameters outside the units (else a unit's index)
 
 
 class Recompute:
@@ -35,7 +36,9 @@ class Recompute:
     reads: DirectReads
     _specs: list[Any]
     _rebound: dict[tuple[int, int], list[Any]]
-    _covering: dict[int, list[tuple[int, frozenset, int, Any]]]
+    _covering: dict[int, list[tuple[int, int, frozenset, int, Any]]]
+    _unit_modules: list[tuple[int, torch.nn.Module, list[tuple[str, torch.nn.Module, str]]]]
+    stage: int
     _watch: set[weakref.ref]
     _members: list[Any]
     _users_lock: Any
@@ -49,15 +52,18 @@ class Recompute:
         reads ``out_proj.weight``, or a tied head ``F.linear(h, self.emb.weight)`` does). When
         autograd recomputes a forward during backward (activation checkpointing), outside zfunc's
         call, the outermost such module recomputed puts the latest call's parameters of its whole
-        subtree in place (`_cover_in`) until it returns; the modules it calls find theirs there
-        already. A read outside every module's forward (``h @ emb.weight.T`` in the checkpointed
+        subtree in place (`_cover_in`) until it returns; the modules of that subtree it calls find
+        theirs there already. Likewise each module with a forward inside a unit's module (a
+        block's attention or MLP, checkpointed on its own) puts in its unit's parameters, gathered
+        again at stage 3, unless the unit's module runs around it. A read outside the forward of
+        every module whose subtree holds the parameter (``h @ emb.weight.T`` in the checkpointed
         function itself) is not covered (`zfunc.autograd.direct_reads` refuses it under reentrant
         checkpointing)."""
         outside = [n for n, _ in self.module.named_parameters() if n not in self.unit_params]
         slots = self._slots(outside)
         me, flight = weakref.ref(self), self.flight
 
-        def pre(slots: list, below: frozenset) -> Any:
+        def pre(unit: int, slots: list, below: frozenset, around: torch.nn.Module | None) -> Any:
             names = [n for n, _, _ in slots]
             places = [(owner._parameters, attr) for _, owner, attr in slots]
 
@@ -66,7 +72,7 @@ class Recompute:
                     return
                 b = me()
                 if b is not None:
-                    b._cover_in(mod, names, places, below)
+                    b._cover_in(mod, unit, names, places, below, around, slots)
             return hook
 
         def post(mod: torch.nn.Module, args: Any, out: Any) -> None:
@@ -76,55 +82,80 @@ class Recompute:
             if b is not None:
                 b._cover_out(mod)
 
-        seen: set[int] = set()
-        for mod in self.module.modules():  # each module once (by identity)
-            if id(mod) in seen or type(mod).forward is torch.nn.Module.forward:  # never called
-                continue
-            seen.add(id(mod))
-            below = frozenset(id(m) for m in mod.modules())
+        def readers(top: torch.nn.Module) -> Any:
+            """Each module of ``top``'s subtree with a forward, once (by identity), with its subtree."""
+            seen: set[int] = set()
+            for mod in top.modules():
+                if id(mod) in seen or type(mod).forward is torch.nn.Module.forward:  # never called
+                    continue
+                seen.add(id(mod))
+                yield mod, frozenset(id(m) for m in mod.modules())
+
+        for mod, below in readers(self.module):
             mine = [slot for slot in slots if id(slot[1]) in below]
             if mine:
-                self._specs += [(mod, True, pre(mine, below), RECOMPUTE), (mod, False, post, RECOMPUTE)]
+                self._specs += [(mod, True, pre(OUTSIDE, mine, below, None), RECOMPUTE),
+                                (mod, False, post, RECOMPUTE)]
+        for unit, top, unit_slots in self._unit_modules:
+            for mod, below in readers(top):
+                if mod is not top and any(id(slot[1]) in below for slot in unit_slots):
+                    self._specs += [(mod, True, pre(unit, unit_slots, below, top), RECOMPUTE),
+                                    (mod, False, post, RECOMPUTE)]
 
-    def _cover_in(self, mod: torch.nn.Module, names: list[str], places: list[tuple[dict, str]],
-                  below: frozenset) -> None:
+    def _cover_in(self, mod: torch.nn.Module, unit: int, names: list[str], places: list[tuple[dict, str]],
+                  below: frozenset, around: torch.nn.Module | None, slots: list) -> None:
         """In a forward recomputed during backward: unless a module recomputed around this one
-        in this backward put in its subtree's parameters already (``mod`` among them), put the
-        parameters of the call whose backward this is (`_source`: found from the graph) in
-        ``mod``'s subtree's entries, until ``mod`` returns (`_cover_out`)."""
+        in this backward put them in already (``mod`` in its subtree; or, for a unit's parameters,
+        the unit's module runs around it), put the parameters ``names`` (those outside the units
+        in ``mod``'s subtree, ``unit`` `OUTSIDE`; else all of unit ``unit``'s, ``around`` its
+        module) of the call whose backward this is (`_source`: found from the graph) in place,
+        until ``mod`` returns (`_cover_out`): views of the call's buffer, or at stage 3 a unit
+        gathered again."""
         me = threading.get_ident()
         stack = self._covering.get(me)
         task = graph_task()
+        key = id(mod)
         if stack:
-            key = id(mod)
-            for _, covered, at, swapped in stack:
-                if swapped is not None and at == task and key in covered:
-                    stack.append((key, covered, task, None))  # nothing to put back at its end
+            for _, kind, covered, at, undo in stack:
+                if kind == unit and at == task and undo is not None and key in covered:
+                    stack.append((key, unit, covered, task, None))  # nothing to undo at its end
                     return
         if task == -1 or self.flight.current() is not None:
             return
+        if around is not None and self.stage != 3 and self._rebound.get((me, id(around))):
+            return  # the unit's module runs around it, with the unit in place (`_rebind_in`)
         source = self._source(task)
-        if source is None:
-            return
+        if source is None or (around is not None and self.stage == 3 and unit in source.swapped):
+            return  # (at stage 3 the unit's module runs around it, the unit gathered)
         self.occupy()
         try:
-            views = source.views(names)
-            swapped = swap_in((entries, attr, views[n]) for n, (entries, attr) in zip(names, places))
+            if around is not None and self.stage == 3:
+                source.enter(unit, slots)
+                undo: Any = (source, unit)
+            else:
+                views = source.views(names)
+                undo = swap_in((entries, attr, views[n]) for n, (entries, attr) in zip(names, places))
         except BaseException:
             self.release()
             raise
-        self._covering.setdefault(me, []).append((id(mod), below, task, swapped))
+        self._covering.setdefault(me, []).append((key, unit, below, task, undo))
 
     def _cover_out(self, mod: torch.nn.Module) -> None:
         me = threading.get_ident()
         stack = self._covering.get(me)
         if not stack or stack[-1][0] != id(mod):
             return
-        swapped = stack.pop()[3]
+        undo = stack.pop()[4]
         if not stack:
             del self._covering[me]
-        if swapped is not None:
-            put_back(swapped)
+        if undo is None:
+            return
+        try:
+            if isinstance(undo, tuple):  # a unit gathered again (stage 3)
+                undo[0].leave(undo[1])
+            else:
+                put_back(undo)
+        finally:
             self.release()
 
     def _rebind_in(self, mod: torch.nn.Module, slots: list[tuple[str, torch.nn.Module, str]]) -> bool:

@@ -333,7 +333,7 @@ class Engine(ConfigAccessors, WeightsOut, Checkpoints, torch.nn.Module):
         """A gradient in the ``.grad`` of one of the module's own parameters came from outside the
         engine's forward (which runs on the state): a term computed from
         ``engine.module.parameters()``, a submodule called directly, a reentrant checkpoint whose
-        segment reads a parameter without calling the module holding it. DeepSpeed would train on
+        segment reads a parameter outside the forward of every module whose subtree holds it. DeepSpeed would train on
         it; here it would be dropped, so it is refused, with the gradients since the last optimizer
         step (every micro-batch of the window: the next boundary applies those after this one). The
         state's frozen parameters are not checked: neither trains them."""

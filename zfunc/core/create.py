@@ -305,9 +305,9 @@ def init(model: torch.nn.Module, cfg: Config, group: comm.Group | None = None, *
     Rank 0's parameter and buffer values are broadcast to every rank (as DDP and DeepSpeed do).
     The module's values are copied: it stays usable as plain torch, and ``init`` may be called on
     it again. zfunc's calls put forward hooks on it while they run: on the unit modules (stage
-    3, and stages 1-2 with ``Config.units``) from a call's start, and on each module holding
-    parameters once a backward reaches the call's outputs (for a forward that activation
-    checkpointing recomputes in backward). They come off when no call runs and no call's graph
+    3, and stages 1-2 with ``Config.units``) from a call's start, and on each module with a
+    forward whose subtree holds parameters once a backward reaches the call's outputs (for a
+    forward that activation checkpointing recomputes in backward). They come off when no call runs and no call's graph
     lives: between calls the module carries none.
 
     Args:
