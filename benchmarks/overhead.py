@@ -3,7 +3,10 @@ parameters, through `zfunc.backward_step` at world 1, against the same model in 
 
 The model is a bank of 256 small MLP experts between an input and an output projection (1,028
 parameter tensors, 0.3M elements), each expert on its own slice of the tokens, as a
-mixture-of-experts layer runs them: Python work per parameter shows, arithmetic does not.
+mixture-of-experts layer runs them: Python work per parameter shows, arithmetic does not. With
+``--model blocks``, a stack of 48 small transformer blocks (817 parameter tensors): under
+checkpointing each block is one segment of eight parameter-holding layers, as a transformer is
+checkpointed layer by layer.
 Each round times every contender once, in turn (``time.perf_counter``, one thread); the table
 gives the median over rounds, the ratio of medians to plain torch (forward, ``backward()``
 into ``.grad``, ``zero_grad(set_to_none=True)``), and the median of each round's own ratio
@@ -23,6 +26,7 @@ Usage::
 
     PYTHONPATH=. python benchmarks/overhead.py [--rounds 30] [--experts 256] [--checkpoint nonreentrant]
     PYTHONPATH=. python benchmarks/overhead.py --world 2
+    PYTHONPATH=. python benchmarks/overhead.py --model blocks --checkpoint reentrant
 """
 
 from __future__ import annotations
@@ -65,6 +69,55 @@ class ExpertBank(nn.Module):
         return self.out(torch.cat(outs))
 
 
+class _Attention(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o(torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2), -1) @ self.v(x))
+
+
+class _Block(nn.Module):
+    """A pre-norm transformer block: attention and an MLP, eight parameter-holding layers."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.n1, self.att, self.n2 = nn.LayerNorm(d), _Attention(d), nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.ReLU(), nn.Linear(2 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.att(self.n1(x))
+        return x + self.mlp(self.n2(x))
+
+
+class BlockStack(nn.Module):
+    """``blocks`` small transformer blocks (width 16, 17 parameter tensors each) after an input
+    projection, each checkpointed as a whole when ``checkpoint`` is set: what checkpointing a
+    transformer layer by layer recomputes."""
+
+    def __init__(self, blocks: int = 48, d: int = 16, checkpoint: str | None = None):
+        super().__init__()
+        self.checkpoint = checkpoint
+        self.inp = nn.Linear(d, d)
+        self.blocks = nn.ModuleList(_Block(d) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = (block(x) if self.checkpoint is None else
+                 torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.checkpoint == "reentrant"))
+        return x
+
+
+def _model(kind: str, size: int, checkpoint: str | None) -> tuple[nn.Module, torch.Tensor]:
+    """The model of ``kind`` and a batch's shape: `ExpertBank` of ``size`` experts (4 tokens
+    each), or `BlockStack` of ``size`` blocks (2 sequences of 8 tokens)."""
+    if kind == "experts":
+        return ExpertBank(size, checkpoint=checkpoint), (4 * size, 16)
+    return BlockStack(size, checkpoint=checkpoint), (2, 8, 16)
+
+
 def loss_fn(model, x: torch.Tensor) -> torch.Tensor:
     return model(x).pow(2).mean()
 
@@ -92,12 +145,13 @@ def contenders(model: nn.Module, x: torch.Tensor, world: int) -> dict[str, Calla
     return {"torch" if world == 1 else "torch DDP": plain, "zfunc stage 0": through(0), "zfunc stage 2": through(2)}
 
 
-def timings(rank: int, experts: int, checkpoint: str | None, rounds: int, world: int) -> dict[str, list[float]]:
+def timings(rank: int, kind: str, size: int, checkpoint: str | None, rounds: int,
+            world: int) -> dict[str, list[float]]:
     """Seconds per round of each contender (on rank ``rank`` of a world of ``world``)."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = ExpertBank(experts, checkpoint=checkpoint)
-    x = torch.randn(4 * experts, 16, generator=torch.Generator().manual_seed(rank))
+    model, shape = _model(kind, size, checkpoint)
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(rank))
     runs = contenders(model, x, world)
     sync = torch.distributed.barrier if world > 1 else (lambda: None)
     for fn in runs.values():  # warm-up
@@ -118,23 +172,38 @@ def timings(rank: int, experts: int, checkpoint: str | None, rounds: int, world:
     return times
 
 
+def _cpu() -> str:
+    """The CPU's model name and whether it has AVX-512 (torch's kernels, and so rounding and speed,
+    differ with it)."""
+    try:
+        info = open("/proc/cpuinfo").read()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    return f"{name} ({'avx512f' if ' avx512f' in info else 'no avx512f'})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--model", choices=["experts", "blocks"], default="experts",
+                    help="a bank of small experts (default), or a stack of small transformer blocks")
     ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--blocks", type=int, default=48)
     ap.add_argument("--checkpoint", choices=["reentrant", "nonreentrant"], default=None,
                     help="each expert under torch.utils.checkpoint, for every contender (torch's included)")
     ap.add_argument("--world", type=int, default=1, help="local gloo ranks (default 1: no process group)")
     args = ap.parse_args()
-    run_args = (args.experts, args.checkpoint, args.rounds, args.world)
+    size = args.experts if args.model == "experts" else args.blocks
+    run_args = (args.model, size, args.checkpoint, args.rounds, args.world)
     per_rank = ([timings(0, *run_args)] if args.world == 1 else
                 zfunc.launch(timings, world_size=args.world, threads=1, timeout=3600, args=run_args))
     rounds = {k: [max(r[k][i] for r in per_rank) for i in range(args.rounds)] for k in per_rank[0]}  # slowest rank
     base = next(iter(rounds))
-    model = ExpertBank(args.experts)
+    model = _model(args.model, size, None)[0]
     n_params = len(list(model.parameters()))
-    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {args.world} rank(s) x 1 "
-          f"thread, {n_params} parameter tensors, {sum(p.numel() for p in model.parameters())} elements, "
+    print(f"# {_cpu()}, torch {torch.__version__}, {args.world} rank(s) x 1 thread, model {args.model}: "
+          f"{n_params} parameter tensors, {sum(p.numel() for p in model.parameters())} elements, "
           f"{args.rounds} rounds, checkpointing: {args.checkpoint or 'none'}")
     print(f"{'contender':<16} {'median ms':>10} {'vs torch':>9} {'paired':>7}")
     for name, ts in rounds.items():

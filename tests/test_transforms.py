@@ -65,35 +65,38 @@ def test_torch_func_grad_inside_loss_fn(stage):
 
 
 class _Blocks(nn.Module):
-    def __init__(self):
+    def __init__(self, ckpt: str | None = None):
         super().__init__()
         torch.manual_seed(0)
         self.inp = nn.Linear(3, 8)
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)) for _ in range(2))
         self.out = nn.Linear(8, 2)
+        self.ckpt = ckpt  # each block under activation checkpointing ("reentrant" or "nonreentrant")
 
     def forward(self, x):
         h = self.inp(x)
         for b in self.blocks:
-            h = h + b(h)
+            h = h + (b(h) if self.ckpt is None else
+                     torch.utils.checkpoint.checkpoint(b, h, use_reentrant=self.ckpt == "reentrant"))
         return self.out(h)
 
 
 def _compiled(rank: int, stage: int, how: str, donate: bool = False,
-              by_class: bool = False) -> list[torch.Tensor]:
+              by_class: bool = False, ckpt: str | None = None) -> list[torch.Tensor]:
     """Three steps with the model ``"eager"``, compiled per block (``"blocks"``, torchtitan's way:
     each block on its own, no graph break allowed), or compiled whole (``"whole"``: the compiled
-    model given to ``init``); the units named by path, or by class (each block's)."""
+    model given to ``init``); the units named by path (by default at stage 3; with ``ckpt``, each
+    block checkpointed, at stages 1-2 too), or by class (each block's)."""
     import torch._dynamo
 
     torch._dynamo.reset()
-    model = _Blocks()
+    model = _Blocks(ckpt)
     if how == "whole":
         model = torch.compile(model, backend="aot_eager")
     elif how == "blocks":
         for i, b in enumerate(model.blocks):
             model.blocks[i] = torch.compile(b, fullgraph=True, backend="aot_eager")
-    by_path = ["blocks.0", "blocks.1"] if stage == 3 else None
+    by_path = ["blocks.0", "blocks.1"] if stage == 3 or (ckpt and stage) else None
     units = ([nn.Sequential] if stage else None) if by_class else by_path
     state = zfunc.init(model, zfunc.Config(stage=stage, units=units, persist_threshold=0, grad_accum=2,
                                            optimizer=zfunc.adamw(lr=1e-2)), donate=donate)
@@ -121,6 +124,18 @@ def test_whole_model_and_blocks_by_class_compiled_train_like_eager(stage):
     for how in ("whole", "blocks"):
         for a, b in zip(eager, run_ranks(_compiled, 2, stage, how, False, True)):
             assert max((x - y).abs().max().item() for x, y in zip(a, b)) <= 1e-6, (stage, how)
+
+
+@pytest.mark.parametrize("ckpt", ["reentrant", "nonreentrant"])
+def test_compiled_blocks_under_checkpointing_train_like_eager(ckpt):
+    """Each block compiled (no graph break allowed) and checkpointed, the blocks units (stage 3,
+    stages 1-2 with ``Config.units``): in the recomputation the recompute hooks of the layers
+    inside a compiled block return at once (the unit's module runs around them), so nothing
+    of theirs is traced."""
+    for stage in (1, 2, 3):
+        eager = run_ranks(_compiled, 1, stage, "eager", False, False, ckpt)
+        for a, b in zip(eager, run_ranks(_compiled, 1, stage, "blocks", False, False, ckpt)):
+            assert max((x - y).abs().max().item() for x, y in zip(a, b)) <= 1e-6, (stage, ckpt)
 
 
 def _raised_then_compiled(rank: int) -> tuple[int, bool]:

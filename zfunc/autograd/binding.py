@@ -172,6 +172,7 @@ class ModuleBinding(Routing, Recompute):
         # covers it), `_cover_in`; and each unit's index, module and slots.
         self._covering: dict[int, list[tuple[int, int, frozenset, int, Any]]] = {}
         self._unit_modules: list[tuple[int, torch.nn.Module, list[tuple[str, torch.nn.Module, str]]]] = []
+        self._running: dict[int, int] = {}  # unit -> how deep its module runs now (its hooks count)
         if stage == 3:
             self._install_unit_hooks([(i, u.name, [s.name for s in u.slots]) for i, u in enumerate(layout.units)
                                       if u.name != "root"])
@@ -275,6 +276,8 @@ class ModuleBinding(Routing, Recompute):
         finally:
             with self._users_lock:
                 self._users[me] = depth + 1  # what a unit's post-hook skipped, forgotten
+                if depth == 0:  # no unit's module runs once the outermost call is over
+                    self._running.clear()
             self.release()
 
     def buckets(self, state: TrainState) -> tuple[Bucket, ...]:
@@ -328,6 +331,7 @@ class ModuleBinding(Routing, Recompute):
             b = me()
             if b is None:
                 return
+            b._running[i] = b._running.get(i, 0) + 1  # (the post-hook always runs)
             call = b._call()
             if call is not None:
                 b.occupy()  # a recomputation in backward too (released by the post-hook, which always runs)
@@ -346,6 +350,7 @@ class ModuleBinding(Routing, Recompute):
             b = me()
             if b is None:
                 return
+            b._running[i] = b._running.get(i, 1) - 1
             call = b._call()
             if call is not None:
                 try:

@@ -38,6 +38,7 @@ class Recompute:
     _rebound: dict[tuple[int, int], list[Any]]
     _covering: dict[int, list[tuple[int, int, frozenset, int, Any]]]
     _unit_modules: list[tuple[int, torch.nn.Module, list[tuple[str, torch.nn.Module, str]]]]
+    _running: dict[int, int]
     stage: int
     _watch: set[weakref.ref]
     _members: list[Any]
@@ -61,32 +62,39 @@ class Recompute:
         checkpointing)."""
         outside = [n for n, _ in self.module.named_parameters() if n not in self.unit_params]
         slots = self._slots(outside)
-        me, flight = weakref.ref(self), self.flight
+        me, flight, running = weakref.ref(self), self.flight, self._running
 
-        def pre(unit: int, slots: list, below: frozenset, around: torch.nn.Module | None) -> Any:
+        # Both hooks return at once where nothing is to be done (in a forward; for a unit's
+        # parameters, while the unit's module runs around): inside a compiled block that is all
+        # Dynamo traces of them.
+        def pre(unit: int, slots: list, below: frozenset) -> Any:
             names = [n for n, _, _ in slots]
             places = [(owner._parameters, attr) for _, owner, attr in slots]
 
             def hook(mod: torch.nn.Module, args: Any) -> None:
-                if flight.backwards == 0:  # a forward: nothing to do (and compiled blocks trace this)
+                if flight.backwards == 0 or (unit != OUTSIDE and running.get(unit)):
                     return
                 b = me()
                 if b is not None:
-                    b._cover_in(mod, unit, names, places, below, around, slots)
+                    b._cover_in(mod, unit, names, places, below, slots)
             return hook
 
-        def post(mod: torch.nn.Module, args: Any, out: Any) -> None:
-            if flight.backwards == 0:
-                return
-            b = me()
-            if b is not None:
-                b._cover_out(mod)
+        def post(unit: int) -> Any:
+            def hook(mod: torch.nn.Module, args: Any, out: Any) -> None:
+                if flight.backwards == 0 or (unit != OUTSIDE and running.get(unit)):
+                    return
+                b = me()
+                if b is not None:
+                    b._cover_out(mod)
+            return hook
 
         def readers(top: torch.nn.Module) -> Any:
-            """Each module of ``top``'s subtree with a forward, once (by identity), with its subtree."""
+            """Each module of ``top``'s subtree whose forward may read parameters, once (by
+            identity), with its subtree: not a module without a forward (``nn.ModuleList``,
+            ``nn.ParameterList``), nor an ``nn.Sequential``, whose forward only calls its children."""
             seen: set[int] = set()
             for mod in top.modules():
-                if id(mod) in seen or type(mod).forward is torch.nn.Module.forward:  # never called
+                if id(mod) in seen or type(mod).forward in (torch.nn.Module.forward, torch.nn.Sequential.forward):
                     continue
                 seen.add(id(mod))
                 yield mod, frozenset(id(m) for m in mod.modules())
@@ -94,23 +102,20 @@ class Recompute:
         for mod, below in readers(self.module):
             mine = [slot for slot in slots if id(slot[1]) in below]
             if mine:
-                self._specs += [(mod, True, pre(OUTSIDE, mine, below, None), RECOMPUTE),
-                                (mod, False, post, RECOMPUTE)]
+                self._specs += [(mod, True, pre(OUTSIDE, mine, below), RECOMPUTE), (mod, False, post(OUTSIDE), RECOMPUTE)]
         for unit, top, unit_slots in self._unit_modules:
             for mod, below in readers(top):
                 if mod is not top and any(id(slot[1]) in below for slot in unit_slots):
-                    self._specs += [(mod, True, pre(unit, unit_slots, below, top), RECOMPUTE),
-                                    (mod, False, post, RECOMPUTE)]
+                    self._specs += [(mod, True, pre(unit, unit_slots, below), RECOMPUTE), (mod, False, post(unit), RECOMPUTE)]
 
     def _cover_in(self, mod: torch.nn.Module, unit: int, names: list[str], places: list[tuple[dict, str]],
-                  below: frozenset, around: torch.nn.Module | None, slots: list) -> None:
+                  below: frozenset, slots: list) -> None:
         """In a forward recomputed during backward: unless a module recomputed around this one
-        in this backward put them in already (``mod`` in its subtree; or, for a unit's parameters,
-        the unit's module runs around it), put the parameters ``names`` (those outside the units
-        in ``mod``'s subtree, ``unit`` `OUTSIDE`; else all of unit ``unit``'s, ``around`` its
-        module) of the call whose backward this is (`_source`: found from the graph) in place,
-        until ``mod`` returns (`_cover_out`): views of the call's buffer, or at stage 3 a unit
-        gathered again."""
+        in this backward put them in already (``mod`` in its subtree), put the parameters
+        ``names`` (those outside the units in ``mod``'s subtree, ``unit`` `OUTSIDE`; else all of
+        unit ``unit``'s, its module not running around ``mod``) of the call whose backward this
+        is (`_source`: found from the graph) in place, until ``mod`` returns (`_cover_out`):
+        views of the call's buffer, or at stage 3 a unit gathered again."""
         me = threading.get_ident()
         stack = self._covering.get(me)
         task = graph_task()
@@ -122,14 +127,12 @@ class Recompute:
                     return
         if task == -1 or self.flight.current() is not None:
             return
-        if around is not None and self.stage != 3 and self._rebound.get((me, id(around))):
-            return  # the unit's module runs around it, with the unit in place (`_rebind_in`)
         source = self._source(task)
-        if source is None or (around is not None and self.stage == 3 and unit in source.swapped):
-            return  # (at stage 3 the unit's module runs around it, the unit gathered)
+        if source is None:
+            return
         self.occupy()
         try:
-            if around is not None and self.stage == 3:
+            if unit != OUTSIDE and self.stage == 3:
                 source.enter(unit, slots)
                 undo: Any = (source, unit)
             else:
