@@ -284,6 +284,7 @@ class BoundModel(torch.nn.Module):
             elif pending is not None:  # the hooks that would wait are gone (`ModuleBinding.remove`)
                 pending.wait_all()
             tensors.update(views)
+        self.call.buffers = self.new_buffers  # a recomputed forward's too (the dict: a reassigned one included)
         binding.note_pending(self.call)
         if cfg.autocast is None and cfg.compute_dtype != torch.float32:
             # Like FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True): a low-precision model

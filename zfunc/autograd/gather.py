@@ -196,6 +196,7 @@ class UnitGatherer:
         self.ahead: dict[int, tuple[torch.Tensor, Any]] = {}  # prefetched unit -> (buffer, handle)
         self.hint, self.on_track = hint, True
         self.tasks: set[int] = set()  # the backwards that differentiate this call (`graph_task`)
+        self.buffers: dict[str, torch.Tensor] = {}  # the call's buffers, by name (set by its bound model)
         self._root_again: dict[str, torch.Tensor] | None = None  # `views`, gathered in backward
         self.expect: list[int] | None = None  # backward's regathers in order, known at the first
         self.next_back = 0  # where backward is in `expect`

@@ -57,6 +57,7 @@ class Rebind:
         self._owed = False  # gradients handed over since the call's collector last ran
         self.frozen: dict[str, torch.Tensor] = {}  # the call's frozen parameters, by name
         self.tasks: set[int] = set()  # the backwards that differentiate this call (`zfunc._probes.graph_task`)
+        self.buffers: dict[str, torch.Tensor] = {}  # the call's buffers, by name (set by its bound model)
         self._made: dict[int, dict[str, torch.Tensor]] = {}  # by backward (graph task): the leaves made in it
         self._since = 0  # elements handed out since the last collect
 

@@ -8,6 +8,7 @@ from the graph (`Recompute._source`).
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from typing import Any
@@ -62,21 +63,27 @@ class Recompute:
         checkpointing)."""
         outside = [n for n, _ in self.module.named_parameters() if n not in self.unit_params]
         slots = self._slots(outside)
+        canon: dict[int, str] = {}
+        buffers = [(canon.setdefault(id(t), name), owner, name.rpartition(".")[2])
+                   for name, t in self.module.named_buffers(remove_duplicate=False)
+                   for owner in [self.module.get_submodule(name.rpartition(".")[0])]]
         me, flight, running = weakref.ref(self), self.flight, self._running
 
         # Both hooks return at once where nothing is to be done (in a forward; for a unit's
         # parameters, while the unit's module runs around): inside a compiled block that is all
         # Dynamo traces of them.
-        def pre(unit: int, slots: list, below: frozenset) -> Any:
+        def pre(unit: int, slots: list, below: frozenset, bufs: list = ()) -> Any:
             names = [n for n, _, _ in slots]
             places = [(owner._parameters, attr) for _, owner, attr in slots]
+            places += [(owner._buffers, attr) for _, owner, attr in bufs]
+            buffer_names = [n for n, _, _ in bufs]
 
             def hook(mod: torch.nn.Module, args: Any) -> None:
                 if flight.backwards == 0 or (unit != OUTSIDE and running.get(unit)):
                     return
                 b = me()
                 if b is not None:
-                    b._cover_in(mod, unit, names, places, below, slots)
+                    b._cover_in(mod, unit, names, places, below, slots, buffer_names)
             return hook
 
         def post(unit: int) -> Any:
@@ -101,21 +108,25 @@ class Recompute:
 
         for mod, below in readers(self.module):
             mine = [slot for slot in slots if id(slot[1]) in below]
-            if mine:
-                self._specs += [(mod, True, pre(OUTSIDE, mine, below), RECOMPUTE), (mod, False, post(OUTSIDE), RECOMPUTE)]
+            bufs = [slot for slot in buffers if id(slot[1]) in below]
+            if mine or bufs:
+                self._specs += [(mod, True, pre(OUTSIDE, mine, below, bufs), RECOMPUTE),
+                                (mod, False, post(OUTSIDE), RECOMPUTE)]
         for unit, top, unit_slots in self._unit_modules:
             for mod, below in readers(top):
                 if mod is not top and any(id(slot[1]) in below for slot in unit_slots):
                     self._specs += [(mod, True, pre(unit, unit_slots, below), RECOMPUTE), (mod, False, post(unit), RECOMPUTE)]
 
     def _cover_in(self, mod: torch.nn.Module, unit: int, names: list[str], places: list[tuple[dict, str]],
-                  below: frozenset, slots: list) -> None:
+                  below: frozenset, slots: list, buffer_names: list[str]) -> None:
         """In a forward recomputed during backward: unless a module recomputed around this one
         in this backward put them in already (``mod`` in its subtree), put the parameters
-        ``names`` (those outside the units in ``mod``'s subtree, ``unit`` `OUTSIDE`; else all of
-        unit ``unit``'s, its module not running around ``mod``) of the call whose backward this
-        is (`_source`: found from the graph) in place, until ``mod`` returns (`_cover_out`):
-        views of the call's buffer, or at stage 3 a unit gathered again."""
+        ``names`` (those outside the units in ``mod``'s subtree, and its buffers ``buffer_names``,
+        ``unit`` `OUTSIDE`; else all of unit ``unit``'s, its module not running around ``mod``)
+        of the call whose backward this is (`_source`: found from the graph) in place, until
+        ``mod`` returns (`_cover_out`): views of the call's buffer, or at stage 3 a unit gathered
+        again; the call's buffers (their values after its forward, as torch's checkpointing
+        recomputes a module on its buffers as they are then)."""
         me = threading.get_ident()
         stack = self._covering.get(me)
         task = graph_task()
@@ -136,8 +147,10 @@ class Recompute:
                 source.enter(unit, slots)
                 undo: Any = (source, unit)
             else:
-                views = source.views(names)
-                undo = swap_in((entries, attr, views[n]) for n, (entries, attr) in zip(names, places))
+                views = source.views(names) if names else {}
+                views.update((n, source.buffers[n]) for n in buffer_names if n in source.buffers)
+                undo = swap_in((entries, attr, views[n]) for n, (entries, attr) in zip(itertools.chain(names, buffer_names), places)
+                               if n in views)
         except BaseException:
             self.release()
             raise
