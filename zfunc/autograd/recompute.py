@@ -146,11 +146,14 @@ class Recompute:
             if unit != OUTSIDE and self.stage == 3:
                 source.enter(unit, slots)
                 undo: Any = (source, unit)
-            else:
+            elif not buffer_names:
+                views = source.views(names)
+                undo = swap_in([(entries, attr, views[n]) for n, (entries, attr) in zip(names, places)])
+            else:  # (a buffer the call does not carry keeps the module's own)
                 views = source.views(names) if names else {}
-                views.update((n, source.buffers[n]) for n in buffer_names if n in source.buffers)
-                undo = swap_in((entries, attr, views[n]) for n, (entries, attr) in zip(itertools.chain(names, buffer_names), places)
-                               if n in views)
+                views.update({n: source.buffers[n] for n in buffer_names if n in source.buffers})
+                undo = swap_in([(entries, attr, views[n]) for n, (entries, attr)
+                                in zip(itertools.chain(names, buffer_names), places) if n in views])
         except BaseException:
             self.release()
             raise
@@ -167,7 +170,7 @@ class Recompute:
         if undo is None:
             return
         try:
-            if isinstance(undo, tuple):  # a unit gathered again (stage 3)
+            if type(undo) is tuple:  # a unit gathered again (stage 3)
                 undo[0].leave(undo[1])
             else:
                 put_back(undo)
