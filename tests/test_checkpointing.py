@@ -658,8 +658,10 @@ class _NormBlock(torch.nn.Module):
         super().__init__()
         self.lin = torch.nn.Linear(8, 8)
         self.bn = torch.nn.BatchNorm1d(8)
+        self.register_buffer("seen", torch.zeros(()))  # reassigned, not updated in place
 
     def forward(self, h):
+        self.seen = self.seen + 1
         return torch.tanh(self.bn(self.lin(h)))
 
 
@@ -684,8 +686,8 @@ class _Normed(torch.nn.Module):
 def test_a_recomputed_forward_runs_on_the_calls_buffers():
     """A recomputed module runs on the call's buffers, not on the module's own: BatchNorm's
     statistics are updated again in the recomputation (as torch's checkpointing does to a plain
-    model's), in the state, and the module's own buffers never move. Three steps against plain
-    torch with the same checkpointing."""
+    model's), in the state, a buffer the recomputation reassigns too, and the module's own
+    buffers never move. Three steps against plain torch with the same checkpointing."""
     import copy
 
     for ckpt in ("reentrant", "nonreentrant"):
@@ -705,11 +707,29 @@ def test_a_recomputed_forward_runs_on_the_calls_buffers():
                 state = zfunc.apply_step(state)
             params = zfunc.full_params(state)
             assert max((params[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters()) < 1e-6
-            assert ref.blocks[0].bn.num_batches_tracked.item() == 6  # torch's: each step's recomputation too
+            assert ref.blocks[0].bn.num_batches_tracked.item() == ref.blocks[0].seen.item() == 6  # recomputed too
             for n, b in ref.named_buffers():
                 assert (state.buffers[n].double() - b.double()).abs().max().item() < 1e-6, (ckpt, stage, n)
             for (n, a), b in zip(model.named_buffers(), before.buffers()):
                 assert torch.equal(a, b), (ckpt, stage, n)
+
+
+def test_a_pullback_called_again_leaves_the_first_results_buffers():
+    """A `zfunc.vjp` pullback called twice (``retain_graph=True``) recomputes the checkpointed
+    blocks in each backward, on the call's buffers: BatchNorm's statistics are updated again,
+    in the second result (as torch's two backwards update a plain model's), and the first
+    result keeps what it was given."""
+    for ckpt in ("reentrant", "nonreentrant"):
+        for stage in (0, 2, 3):
+            torch.manual_seed(0)
+            state = zfunc.init(_Normed(ckpt), zfunc.Config(stage=stage, persist_threshold=0))
+            out, pullback = zfunc.vjp(state, lambda m, x: m(x), torch.randn(4, 8))
+            first = pullback(torch.ones_like(out), retain_graph=True)
+            kept = {n: b.clone() for n, b in first.buffers.items()}
+            second = pullback(torch.ones_like(out))
+            assert all(torch.equal(first.buffers[n], b) for n, b in kept.items()), (ckpt, stage)
+            assert first.buffers["blocks.0.bn.num_batches_tracked"].item() == 2, (ckpt, stage)
+            assert second.buffers["blocks.0.bn.num_batches_tracked"].item() == 3, (ckpt, stage)
 
 
 def _normed(rank: int, cfg: dict, ckpt: str | None) -> list[torch.Tensor]:

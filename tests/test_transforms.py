@@ -69,7 +69,9 @@ class _Blocks(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.inp = nn.Linear(3, 8)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)) for _ in range(2))
+        norm = nn.BatchNorm1d if ckpt else nn.Identity  # with checkpointing, a block holding buffers
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), norm(8), nn.GELU(), nn.Linear(8, 8))
+                                    for _ in range(2))
         self.out = nn.Linear(8, 2)
         self.ckpt = ckpt  # each block under activation checkpointing ("reentrant" or "nonreentrant")
 
@@ -129,9 +131,10 @@ def test_whole_model_and_blocks_by_class_compiled_train_like_eager(stage):
 @pytest.mark.parametrize("ckpt", ["reentrant", "nonreentrant"])
 def test_compiled_blocks_under_checkpointing_train_like_eager(ckpt):
     """Each block compiled (no graph break allowed) and checkpointed, the blocks units (stage 3,
-    stages 1-2 with ``Config.units``): in the recomputation the recompute hooks of the layers
-    inside a compiled block return at once (the unit's module runs around them), so nothing
-    of theirs is traced."""
+    stages 1-2 with ``Config.units``), a BatchNorm's buffers in each: in the recomputation the
+    recompute hooks of the layers inside a compiled block return at once (the unit's module runs
+    around them, its own hooks put in the unit and the buffers), so nothing of theirs is
+    traced."""
     for stage in (1, 2, 3):
         eager = run_ranks(_compiled, 1, stage, "eager", False, False, ckpt)
         for a, b in zip(eager, run_ranks(_compiled, 1, stage, "blocks", False, False, ckpt)):

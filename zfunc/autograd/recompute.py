@@ -69,26 +69,27 @@ class Recompute:
                    for owner in [self.module.get_submodule(name.rpartition(".")[0])]]
         me, flight, running = weakref.ref(self), self.flight, self._running
 
-        # Both hooks return at once where nothing is to be done (in a forward; for a unit's
-        # parameters, while the unit's module runs around): inside a compiled block that is all
+        # Both hooks return at once where nothing is to be done: in a forward, and, for a module
+        # inside a unit's module (``within``), while that module runs around it (its own hooks
+        # put in the unit and what else its subtree holds): inside a compiled block that is all
         # Dynamo traces of them.
-        def pre(unit: int, slots: list, below: frozenset, bufs: list = ()) -> Any:
+        def pre(unit: int, slots: list, below: frozenset, within: int | None, bufs: list = ()) -> Any:
             names = [n for n, _, _ in slots]
             places = [(owner._parameters, attr) for _, owner, attr in slots]
             places += [(owner._buffers, attr) for _, owner, attr in bufs]
             buffer_names = [n for n, _, _ in bufs]
 
             def hook(mod: torch.nn.Module, args: Any) -> None:
-                if flight.backwards == 0 or (unit != OUTSIDE and running.get(unit)):
+                if flight.backwards == 0 or running.get(within):
                     return
                 b = me()
                 if b is not None:
                     b._cover_in(mod, unit, names, places, below, slots, buffer_names)
             return hook
 
-        def post(unit: int) -> Any:
+        def post(within: int | None) -> Any:
             def hook(mod: torch.nn.Module, args: Any, out: Any) -> None:
-                if flight.backwards == 0 or (unit != OUTSIDE and running.get(unit)):
+                if flight.backwards == 0 or running.get(within):
                     return
                 b = me()
                 if b is not None:
@@ -106,16 +107,19 @@ class Recompute:
                 seen.add(id(mod))
                 yield mod, frozenset(id(m) for m in mod.modules())
 
+        inside = {id(m): unit for unit, top, _ in self._unit_modules for m in top.modules() if m is not top}
         for mod, below in readers(self.module):
             mine = [slot for slot in slots if id(slot[1]) in below]
             bufs = [slot for slot in buffers if id(slot[1]) in below]
             if mine or bufs:
-                self._specs += [(mod, True, pre(OUTSIDE, mine, below, bufs), RECOMPUTE),
-                                (mod, False, post(OUTSIDE), RECOMPUTE)]
+                within = inside.get(id(mod))
+                self._specs += [(mod, True, pre(OUTSIDE, mine, below, within, bufs), RECOMPUTE),
+                                (mod, False, post(within), RECOMPUTE)]
         for unit, top, unit_slots in self._unit_modules:
             for mod, below in readers(top):
                 if mod is not top and any(id(slot[1]) in below for slot in unit_slots):
-                    self._specs += [(mod, True, pre(unit, unit_slots, below), RECOMPUTE), (mod, False, post(unit), RECOMPUTE)]
+                    self._specs += [(mod, True, pre(unit, unit_slots, below, unit), RECOMPUTE),
+                                    (mod, False, post(unit), RECOMPUTE)]
 
     def _cover_in(self, mod: torch.nn.Module, unit: int, names: list[str], places: list[tuple[dict, str]],
                   below: frozenset, slots: list, buffer_names: list[str]) -> None:
@@ -154,6 +158,8 @@ class Recompute:
                 views.update({n: source.buffers[n] for n in buffer_names if n in source.buffers})
                 undo = swap_in([(entries, attr, views[n]) for n, (entries, attr)
                                 in zip(itertools.chain(names, buffer_names), places) if n in views])
+                undo = _Buffers(undo, [(entries, attr, n, views[n]) for n, (entries, attr)
+                                       in zip(buffer_names, places[len(names):]) if n in views], source.buffers)
         except BaseException:
             self.release()
             raise
@@ -172,6 +178,9 @@ class Recompute:
         try:
             if type(undo) is tuple:  # a unit gathered again (stage 3)
                 undo[0].leave(undo[1])
+            elif type(undo) is _Buffers:
+                undo.keep()
+                put_back(undo.swapped)
             else:
                 put_back(undo)
         finally:
@@ -254,3 +263,21 @@ class Recompute:
         """(Under the lock.) `_source`'s kept answer may be stale: found afresh next time."""
         self._generation += 1
         self._last_source = None
+
+
+class _Buffers:
+    """What a covering swap that put in a call's buffers undoes: ``swapped`` (for `put_back`),
+    and the buffers it put, whose entries a recomputation may reassign (``self.n = self.n + 1``
+    rather than in place): `keep` hands such a new value to the call's ``buffers``, as the
+    forward's end does for the call's own forward."""
+
+    __slots__ = ("swapped", "put", "buffers")
+
+    def __init__(self, swapped: list, put: list[tuple[dict, str, str, torch.Tensor]], buffers: dict[str, torch.Tensor]):
+        self.swapped, self.put, self.buffers = swapped, put, buffers
+
+    def keep(self) -> None:
+        for entries, attr, name, tensor in self.put:
+            now = entries[attr]
+            if now is not tensor:
+                self.buffers[name] = now

@@ -343,7 +343,10 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
         calls["retained"] = retain_graph
         torch.autograd.backward(outs, [loss_scaled(state, c) for c in cots], retain_graph=retain_graph)
         check_sinks(sinks, state, grads)
-        new = record_micro(state, grads, loss=loss, buffers=model.new_buffers, fold=fold, forward=True)
+        # Kept for another call: this result's buffers are a copy (a recomputation in the next
+        # call's backward updates the call's buffers, BatchNorm's statistics, in place).
+        buffers = {n: b.clone() for n, b in model.new_buffers.items()} if retain_graph else model.new_buffers
+        new = record_micro(state, grads, loss=loss, buffers=buffers, fold=fold, forward=True)
         if donate:
             new = donate_(state, "vjp", new, ("grads", "buffers"))
         if not argnums:
