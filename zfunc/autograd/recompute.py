@@ -96,13 +96,17 @@ class Recompute:
                     b._cover_out(mod)
             return hook
 
+        tops = {id(top) for _, top, _ in self._unit_modules}
+
         def readers(top: torch.nn.Module) -> Any:
             """Each module of ``top``'s subtree whose forward may read parameters, once (by
             identity), with its subtree: not a module without a forward (``nn.ModuleList``,
-            ``nn.ParameterList``), nor an ``nn.Sequential``, whose forward only calls its children."""
+            ``nn.ParameterList``), nor an ``nn.Sequential``, whose forward only calls its children,
+            unless it is a unit's module (the modules inside it leave their part to it)."""
             seen: set[int] = set()
             for mod in top.modules():
-                if id(mod) in seen or type(mod).forward in (torch.nn.Module.forward, torch.nn.Sequential.forward):
+                if id(mod) in seen or type(mod).forward is torch.nn.Module.forward or (
+                        type(mod).forward is torch.nn.Sequential.forward and id(mod) not in tops):
                     continue
                 seen.add(id(mod))
                 yield mod, frozenset(id(m) for m in mod.modules())
