@@ -714,6 +714,44 @@ def test_a_recomputed_forward_runs_on_the_calls_buffers():
                 assert torch.equal(a, b), (ckpt, stage, n)
 
 
+def _engine_buffers(ckpt: str | None, stage: int) -> tuple[dict, dict, dict]:
+    """Three steps of two micro-batches of `_Normed` through the engine: the state's buffers,
+    the module's, and plain torch's with the same checkpointing."""
+    torch.manual_seed(0)
+    ref = _Normed(ckpt)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    torch.manual_seed(0)
+    model = _Normed(ckpt)
+    engine, *_ = zfunc.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}})
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for _ in range(2):
+            x = torch.randn(4, 8, generator=g)
+            (ref(x).square().mean() / 2).backward()
+            engine.backward(engine(x).square().mean())
+            engine.step()
+        opt.step()
+        opt.zero_grad()
+    return dict(engine.state.buffers), dict(model.named_buffers()), dict(ref.named_buffers())
+
+
+def test_the_engine_keeps_the_buffers_a_forward_reassigns():
+    """Through the engine a buffer the forward reassigns (``self.n = self.n + 1``), or its
+    recomputation under checkpointing, goes into the state and the module shows it, as plain
+    torch's module has it (it was dropped: the state and the module kept the first value); one
+    updated in place (BatchNorm's) too."""
+    for ckpt in (None, "reentrant", "nonreentrant"):
+        for stage in (0, 3):
+            state, module, ref = _engine_buffers(ckpt, stage)
+            assert ref["blocks.0.seen"].item() == (6 if ckpt is None else 12), ckpt
+            for n, b in ref.items():
+                assert (state[n].double() - b.double()).abs().max().item() < 1e-6, (ckpt, stage, n)
+                assert (module[n].double() - b.double()).abs().max().item() < 1e-6, (ckpt, stage, n)
+
+
 def test_a_pullback_called_again_leaves_the_first_results_buffers():
     """A `zfunc.vjp` pullback called twice (``retain_graph=True``) recomputes the checkpointed
     blocks in each backward, on the call's buffers: BatchNorm's statistics are updated again,

@@ -97,6 +97,7 @@ class Engine(ConfigAccessors, WeightsOut, Checkpoints, torch.nn.Module):
         self._applied = False
         self._tasks: set[int] = set()  # the backwards that reached the model since the last step()
         self._losses: list[torch.Tensor] = []  # the losses engine.backward saw since then
+        self._call_buffers: list[dict[str, torch.Tensor]] = []  # each call's buffers since then (`_keep_buffers`)
         self._scaled_tasks: set[int] = set()  # backwards through a loss engine.scale returned
         state = init(model, cfg, group, donate=cfg.stage == 3)
         if deepspeed_masters and cfg.master_dtype != cfg.compute_dtype:  # DeepSpeed: masters of the cast model
@@ -216,15 +217,35 @@ class Engine(ConfigAccessors, WeightsOut, Checkpoints, torch.nn.Module):
     def _bound(self) -> Any:
         """The module bound to the state (for ``engine(x)`` and ``engine.module(x)``), with a real
         gradient accumulator behind the sinks when autograd is on (none is held between steps)."""
-        st = self._live()
+        self._live()
+        self._keep_buffers()
+        st = self._state
         if not torch.is_grad_enabled():
-            return bind(st, self._sinks, donate=True, avg=self._avg)
-        if is_released(st.grads):
-            self._state = st = st.replace(grads=accumulator(st.grads, True, st.binding.pool))
-            point_sinks(self._sinks, st, st.grads)
-        if self.is_gradient_accumulation_boundary() and self._fold is None:
-            self._fold = boundary_fold(st)  # every call until step() shares it
-        return bind(st, self._sinks, donate=True, fold=self._fold, avg=self._avg)
+            model = bind(st, self._sinks, donate=True, avg=self._avg)
+        else:
+            if is_released(st.grads):
+                self._state = st = st.replace(grads=accumulator(st.grads, True, st.binding.pool))
+                point_sinks(self._sinks, st, st.grads)
+            if self.is_gradient_accumulation_boundary() and self._fold is None:
+                self._fold = boundary_fold(st)  # every call until step() shares it
+            model = bind(st, self._sinks, donate=True, fold=self._fold, avg=self._avg)
+        self._call_buffers.append(model.new_buffers)
+        return model
+
+    def _keep_buffers(self) -> None:
+        """The buffers the calls since the last step reassigned (``self.n = self.n + 1`` rather
+        than in place; in their forward, or in a recomputation of it in backward) go into the
+        state, and the module shows them, as its own buffers would in DeepSpeed: in place ones
+        are the state's already (the calls run on the state's tensors, donated)."""
+        st = self._state
+        changed: dict[str, torch.Tensor] = {}
+        for new in self._call_buffers:  # in call order: the latest value wins
+            changed.update((n, t) for n, t in new.items() if t is not st.buffers.get(n))
+        if not changed:
+            return
+        self._state = st.replace(buffers={**st.buffers, **changed})
+        own = dict(self.module.named_buffers())
+        set_data([(own[n], t) for n, t in changed.items() if n in own])
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward from a scalar ``loss``, seeded with ``loss_scale / grad_accum`` (DeepSpeed's
@@ -366,6 +387,8 @@ class Engine(ConfigAccessors, WeightsOut, Checkpoints, torch.nn.Module):
                 "engine.step(): this micro-step's backward ran at the accumulation boundary, so it reduced the "
                 "gradients, but step() is not at the boundary (set_gradient_accumulation_boundary changed in "
                 "between); set the boundary before the backward. Nothing was changed")
+        self._keep_buffers()
+        self._call_buffers = []
         backwards, losses = len(self._tasks), self._losses
         known = torch.stack(losses).sum() if len(losses) == backwards else None  # else a plain backward ran
         st = record_micro(self._state, self._state.grads, loss=known, fold=self._fold, micro_batches=backwards)
