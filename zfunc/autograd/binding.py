@@ -166,7 +166,6 @@ class ModuleBinding(Routing, Recompute):
         self._watch: set[weakref.ref] = set()
         self._last_source: tuple[int, weakref.ref] | None = None  # (graph task, its call): `_source`
         self._generation = 0  # counts what can change `_source`'s answer (a call added, a backward reaching one)
-        self._rebound: dict[tuple[int, int], list[list[tuple[torch.nn.Module, str, Any]]]] = {}  # by thread, module
         # By thread: the recomputed modules running now, innermost last, each with what it puts in
         # (`OUTSIDE` or a unit), its subtree, graph task and what to undo (None: an enclosing one's
         # covers it), `_cover_in`; and each unit's index, module and slots.
@@ -288,14 +287,15 @@ class ModuleBinding(Routing, Recompute):
             self._buckets = plan_buckets(self.layout, max(1, int(cfg.bucket_mb * 2**20) // size))
         return self._buckets
 
-    def _slots(self, names: list[str]) -> list[tuple[str, torch.nn.Module, str]]:
-        """``(canonical name, owning module, attribute)`` for every name each parameter of
-        ``names`` has (a tied weight has several)."""
-        canon = {id(p): n for n, p in self.module.named_parameters()}
+    def _slots(self, names: list[str], buffers: bool = False) -> list[tuple[str, torch.nn.Module, str]]:
+        """``(canonical name, owning module, attribute)`` for every name each parameter (or
+        buffer) of ``names`` has (a tied weight has several)."""
+        named = self.module.named_buffers if buffers else self.module.named_parameters
+        canon = {id(p): n for n, p in named()}
         modules = dict(self.module.named_modules(remove_duplicate=False))
         wanted = set(names)
         out = []
-        for a, p in self.module.named_parameters(remove_duplicate=False):
+        for a, p in named(remove_duplicate=False):
             if canon[id(p)] in wanted:
                 parent, _, attr = a.rpartition(".")
                 out.append((canon[id(p)], modules[parent], attr))
@@ -312,7 +312,7 @@ class ModuleBinding(Routing, Recompute):
             slots = self._slots(names)
             self.unit_params.update({n: Unbound(named[n], n, mname) for n in names})
             mod = modules[mname]
-            self._specs += [(mod, True, self._enter_hook(i, slots), _CALL), (mod, False, self._leave_hook(i), _CALL)]
+            self._specs += [(mod, True, self._enter_hook(i, slots, mod), _CALL), (mod, False, self._leave_hook(i), _CALL)]
             self._unit_modules.append((i, mod, slots))
 
     def _call(self) -> UnitGatherer | UnitViews | None:
@@ -324,8 +324,11 @@ class ModuleBinding(Routing, Recompute):
             return self._source()
         return None
 
-    def _enter_hook(self, i: int, slots: list) -> Any:
+    def _enter_hook(self, i: int, slots: list, unit_module: torch.nn.Module) -> Any:
         me = weakref.ref(self)
+        names = [n for n, _, _ in slots]
+        places = [(owner._parameters, attr) for _, owner, attr in slots]
+        below = frozenset(id(m) for m in unit_module.modules())
 
         def hook(mod: torch.nn.Module, args: Any) -> None:
             b = me()
@@ -336,7 +339,7 @@ class ModuleBinding(Routing, Recompute):
             if call is not None:
                 b.occupy()  # a recomputation in backward too (released by the post-hook, which always runs)
                 call.enter(i, slots)
-            elif b.stage != 3 and b._rebind_in(mod, slots):  # stages 1-2, a forward recomputed in backward
+            elif b.stage != 3 and b._cover_in(mod, i, names, places, below, slots, ()):  # stages 1-2, recomputed
                 pass
             elif b.donated:
                 b._refuse()
@@ -358,7 +361,7 @@ class ModuleBinding(Routing, Recompute):
                 finally:
                     b.release()
             else:
-                b._rebind_out(mod)
+                b._cover_out(mod)
 
         return hook
 

@@ -1,7 +1,8 @@
 """The recompute binding: a forward that activation checkpointing recomputes during backward,
 outside zfunc's call, runs on the parameters of the call whose backward it is. A mixin of
 `zfunc.autograd.binding.ModuleBinding`: forward pre/post hooks on each module whose subtree holds
-parameters outside the units (`Recompute._install_recompute_hooks`), put on when a backward
+parameters outside the units or buffers, and on those inside a unit's module
+(`Recompute._install_recompute_hooks`), put on when a backward
 reaches a call's outputs (`Recompute._reached`) and acting only while one runs; the call is found
 from the graph (`Recompute._source`).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -28,7 +30,7 @@ OUTSIDE = -1  # what `Recompute._cover_in` puts in: the parameters outside the u
 
 class Recompute:
     """The recompute hooks of a binding (``module``, ``unit_params``, ``flight``, ``reads``,
-    ``_specs``, ``_slots``, ``_rebound``, ``_covering``, ``_watch``, ``_members``, the ``_users_lock``,
+    ``_specs``, ``_slots``, ``_covering``, ``_watch``, ``_members``, the ``_users_lock``,
     ``occupy``/``release``/``attach`` are the binding's)."""
 
     module: torch.nn.Module
@@ -36,7 +38,6 @@ class Recompute:
     flight: calls.InFlight
     reads: DirectReads
     _specs: list[Any]
-    _rebound: dict[tuple[int, int], list[Any]]
     _covering: dict[int, list[tuple[int, int, frozenset, int, Any]]]
     _unit_modules: list[tuple[int, torch.nn.Module, list[tuple[str, torch.nn.Module, str]]]]
     _running: dict[int, int]
@@ -63,10 +64,7 @@ class Recompute:
         checkpointing)."""
         outside = [n for n, _ in self.module.named_parameters() if n not in self.unit_params]
         slots = self._slots(outside)
-        canon: dict[int, str] = {}
-        buffers = [(canon.setdefault(id(t), name), owner, name.rpartition(".")[2])
-                   for name, t in self.module.named_buffers(remove_duplicate=False)
-                   for owner in [self.module.get_submodule(name.rpartition(".")[0])]]
+        buffers = self._slots([n for n, _ in self.module.named_buffers()], buffers=True)
         me, flight, running = weakref.ref(self), self.flight, self._running
 
         # Both hooks return at once where nothing is to be done: in a forward, and, for a module
@@ -126,7 +124,7 @@ class Recompute:
                                     (mod, False, post(unit), RECOMPUTE)]
 
     def _cover_in(self, mod: torch.nn.Module, unit: int, names: list[str], places: list[tuple[dict, str]],
-                  below: frozenset, slots: list, buffer_names: list[str]) -> None:
+                  below: frozenset, slots: list, buffer_names: Sequence[str]) -> bool:
         """In a forward recomputed during backward: unless a module recomputed around this one
         in this backward put them in already (``mod`` in its subtree), put the parameters
         ``names`` (those outside the units in ``mod``'s subtree, and its buffers ``buffer_names``,
@@ -134,7 +132,9 @@ class Recompute:
         of the call whose backward this is (`_source`: found from the graph) in place, until
         ``mod`` returns (`_cover_out`): views of the call's buffer, or at stage 3 a unit gathered
         again; the call's buffers (their values after its forward, as torch's checkpointing
-        recomputes a module on its buffers as they are then)."""
+        recomputes a module on its buffers as they are then). The unit hooks of stages 1-2 call
+        it for the unit's own module too (`ModuleBinding._enter_hook`). Whether ``mod`` runs on
+        the call's tensors now."""
         me = threading.get_ident()
         stack = self._covering.get(me)
         task = graph_task()
@@ -143,12 +143,12 @@ class Recompute:
             for _, kind, covered, at, undo in stack:
                 if kind == unit and at == task and undo is not None and key in covered:
                     stack.append((key, unit, covered, task, None))  # nothing to undo at its end
-                    return
+                    return True
         if task == -1 or self.flight.current() is not None:
-            return
+            return False
         source = self._source(task)
         if source is None:
-            return
+            return False
         self.occupy()
         try:
             if unit != OUTSIDE and self.stage == 3:
@@ -168,6 +168,7 @@ class Recompute:
             self.release()
             raise
         self._covering.setdefault(me, []).append((key, unit, below, task, undo))
+        return True
 
     def _cover_out(self, mod: torch.nn.Module) -> None:
         me = threading.get_ident()
@@ -189,28 +190,6 @@ class Recompute:
                 put_back(undo)
         finally:
             self.release()
-
-    def _rebind_in(self, mod: torch.nn.Module, slots: list[tuple[str, torch.nn.Module, str]]) -> bool:
-        """A unit module (stages 1-2 with units) in a forward recomputed during backward: put the
-        parameters of the call whose backward this is in place (`_source`: found from the graph)
-        until it returns (`_rebind_out`)."""
-        if self.flight.current() is not None:
-            return False
-        task = graph_task()
-        if task == -1:
-            return False
-        source = self._source(task)
-        if source is None:
-            return False
-        self.occupy()
-        try:
-            views = source.views([n for n, _, _ in slots])
-            self._rebound.setdefault((threading.get_ident(), id(mod)), []).append(
-                swap_in([(owner._parameters, attr, views[n]) for n, owner, attr in slots]))
-        except BaseException:
-            self.release()
-            raise
-        return True
 
     def _source(self, task: int | None = None) -> Any:
         """The call whose backward is running now, for a forward recomputed in it: among the calls
@@ -247,12 +226,6 @@ class Recompute:
             if self._generation == generation:
                 self._last_source = (task, weakref.ref(mine[0]))
         return mine[0]
-
-    def _rebind_out(self, mod: torch.nn.Module) -> None:
-        stack = self._rebound.get((threading.get_ident(), id(mod)))
-        if stack:
-            put_back(stack.pop())
-            self.release()
 
     def _reached(self) -> None:
         """A backward reached a call's outputs: the recompute hooks go on, and which call a
