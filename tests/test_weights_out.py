@@ -112,9 +112,8 @@ def _memory(rank: int) -> dict[str, int]:
 
     unit = max(u.padded for u in state.layout.units) * 4
     # The smallest of three: on a loaded machine the profiler's records (gloo's threads among them)
-    # can land out of order and show one unit's free after the next one's allocation (seen once
-    # in CI on a busy machine: 79,824 bytes, two units, where the loop holds one; undisturbed
-    # runs give one unit).
+    # can land out of order and show one unit's free after the next one's allocation (two units,
+    # 79,824 bytes here, where the loop holds one; an undisturbed run shows one).
     streamed = min(peak_allocated(stream) for _ in range(3))
     return {"stream": streamed, "whole": peak_allocated(whole), "unit": unit,
             "shard": max(u.shard for u in state.layout.units) * 4, "model": state.layout.full_numel * 4}
