@@ -71,23 +71,31 @@ class Recompute:
         # inside a unit's module (``within``), while that module runs around it (its own hooks
         # put in the unit and what else its subtree holds): inside a compiled block that is all
         # Dynamo traces of them.
-        def pre(unit: int, slots: list, below: frozenset, within: int | None, bufs: list = ()) -> Any:
+        def asleep(within: tuple) -> bool:
+            if flight.backwards == 0:
+                return True
+            for key in within:
+                if running.get(key):
+                    return True
+            return False
+
+        def pre(unit: int, slots: list, below: frozenset, within: tuple, bufs: list = ()) -> Any:
             names = [n for n, _, _ in slots]
             places = [(owner._parameters, attr) for _, owner, attr in slots]
             places += [(owner._buffers, attr) for _, owner, attr in bufs]
             buffer_names = [n for n, _, _ in bufs]
 
             def hook(mod: torch.nn.Module, args: Any) -> None:
-                if flight.backwards == 0 or running.get(within):
+                if asleep(within):
                     return
                 b = me()
                 if b is not None:
                     b._cover_in(mod, unit, names, places, below, slots, buffer_names)
             return hook
 
-        def post(within: int | None) -> Any:
+        def post(within: tuple) -> Any:
             def hook(mod: torch.nn.Module, args: Any, out: Any) -> None:
-                if flight.backwards == 0 or running.get(within):
+                if asleep(within):
                     return
                 b = me()
                 if b is not None:
@@ -100,28 +108,40 @@ class Recompute:
             """Each module of ``top``'s subtree whose forward may read parameters, once (by
             identity), with its subtree: not a module without a forward (``nn.ModuleList``,
             ``nn.ParameterList``), nor an ``nn.Sequential``, whose forward only calls its children,
-            unless it is a unit's module (the modules inside it leave their part to it)."""
+            unless it is a unit's module (the modules inside it leave their part to it).
+            ``readers`` yields a module before those below it."""
             seen: set[int] = set()
             for mod in top.modules():
-                if id(mod) in seen or type(mod).forward is torch.nn.Module.forward or (
-                        type(mod).forward is torch.nn.Sequential.forward and id(mod) not in tops):
+                own = mod.__dict__.get("forward")  # a compiled module's (torch.compile's wrapper) is its own
+                if id(mod) in seen or own is None and (type(mod).forward is torch.nn.Module.forward or (
+                        type(mod).forward is torch.nn.Sequential.forward and id(mod) not in tops)):
                     continue
                 seen.add(id(mod))
                 yield mod, frozenset(id(m) for m in mod.modules())
 
+        # A hook is asleep while a module around it covers what it would put in: its unit's module
+        # runs (the unit hooks count it by the unit's index), or a module above it with hooks of
+        # its kind put its subtree's in (`_cover_in` counts it by the module's id).
         inside = {id(m): unit for unit, top, _ in self._unit_modules for m in top.modules() if m is not top}
+        above = _above(self.module)
+        hooked: set[int] = set()
         for mod, below in readers(self.module):
             mine = [slot for slot in slots if id(slot[1]) in below]
             bufs = [slot for slot in buffers if id(slot[1]) in below]
             if mine or bufs:
-                within = inside.get(id(mod))
+                unit = inside.get(id(mod))
+                within = (() if unit is None else (unit,)) + tuple(a for a in above[id(mod)] if a in hooked)
+                hooked.add(id(mod))
                 self._specs += [(mod, True, pre(OUTSIDE, mine, below, within, bufs), RECOMPUTE),
                                 (mod, False, post(within), RECOMPUTE)]
         for unit, top, unit_slots in self._unit_modules:
+            hooked = set()
             for mod, below in readers(top):
                 if mod is not top and any(id(slot[1]) in below for slot in unit_slots):
-                    self._specs += [(mod, True, pre(unit, unit_slots, below, unit), RECOMPUTE),
-                                    (mod, False, post(unit), RECOMPUTE)]
+                    within = (unit,) + tuple(a for a in above[id(mod)] if a in hooked)
+                    hooked.add(id(mod))
+                    self._specs += [(mod, True, pre(unit, unit_slots, below, within), RECOMPUTE),
+                                    (mod, False, post(within), RECOMPUTE)]
 
     def _cover_in(self, mod: torch.nn.Module, unit: int, names: list[str], places: list[tuple[dict, str]],
                   below: frozenset, slots: list, buffer_names: Sequence[str]) -> bool:
@@ -168,6 +188,7 @@ class Recompute:
             self.release()
             raise
         self._covering.setdefault(me, []).append((key, unit, below, task, undo))
+        self._running[key] = self._running.get(key, 0) + 1  # the hooks below it are asleep
         return True
 
     def _cover_out(self, mod: torch.nn.Module) -> None:
@@ -180,6 +201,7 @@ class Recompute:
             del self._covering[me]
         if undo is None:
             return
+        self._running[id(mod)] = self._running.get(id(mod), 1) - 1
         try:
             if type(undo) is tuple:  # a unit gathered again (stage 3)
                 undo[0].leave(undo[1])
@@ -240,6 +262,17 @@ class Recompute:
         """(Under the lock.) `_source`'s kept answer may be stale: found afresh next time."""
         self._generation += 1
         self._last_source = None
+
+
+def _above(module: torch.nn.Module) -> dict[int, set[int]]:
+    """``id(m)`` -> the ids of the modules above ``m`` under any of its names."""
+    modules = dict(module.named_modules(remove_duplicate=False))
+    out: dict[int, set[int]] = {}
+    for name, mod in modules.items():
+        ids = out.setdefault(id(mod), set())
+        parts = name.split(".") if name else []
+        ids.update(id(modules[".".join(parts[:k])]) for k in range(len(parts)))
+    return out
 
 
 class _Buffers:
