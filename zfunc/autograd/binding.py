@@ -418,7 +418,7 @@ class ModuleBinding(Routing, Recompute):
         holders = {id(owner): owner for _, owner, _ in self._slots(list(self.layout.names))}
         guarded = {id(self.module): self.module, **holders}.values()
         refuse.refuses_donated = True  # what `was_donated` looks for
-        self._refusing = [_register(m, True, refuse) for m in guarded]  # (before the user's own)
+        self._refusing = [m.register_forward_pre_hook(refuse) for m in guarded]
         self.donated = True
 
     def give_back(self, values: dict[str, torch.Tensor]) -> None:
