@@ -269,10 +269,6 @@ def test_no_zfunc_hook_on_the_module_between_calls():
     def hooks(m: torch.nn.Module) -> int:
         return sum(len(getattr(x, d)) for x in m.modules() for d in ("_forward_pre_hooks", "_forward_hooks"))
 
-    def global_hooks() -> int:  # torch's hooks for every module (the recompute hooks')
-        tables = torch.nn.modules.module
-        return len(tables._global_forward_pre_hooks) + len(tables._global_forward_hooks)
-
     gc.disable()
     try:
         for stage in (0, 1, 2, 3):
@@ -281,21 +277,14 @@ def test_no_zfunc_hook_on_the_module_between_calls():
             states = [zfunc.init(model, cfg) for _ in range(3)]
             seen: list[int] = []
             mine = model[1].register_forward_pre_hook(lambda m, a: seen.append(hooks(model) - 1))
-            assert hooks(model) == 1 and global_hooks() == 0, stage  # the user's own only
+            assert hooks(model) == 1, stage  # the user's own only
             later, _ = zfunc.backward_step(states[0], lambda m, x: m(x).sum(), torch.ones(2, 3))
             assert (seen[-1] > 0) == (stage > 0) and hooks(model) == 1, (stage, seen)  # off after the call
-            assert global_hooks() == 0, stage
             later = zfunc.apply_step(later)
             kept = zfunc.core.backward.bind(later, zfunc.core.backward.sinks_into(later, later.grads))(torch.ones(1, 3))
             assert (hooks(model) > 1) == (stage > 0), stage  # a graph that may still be differentiated keeps them
-            assert global_hooks() == 0, stage  # the recompute hooks: from a backward reaching the outputs
             del kept
             assert hooks(model) == 1, stage
-            out, pullback = zfunc.vjp(later, lambda m, x: m(x), torch.ones(1, 3))
-            pullback(torch.ones_like(out), retain_graph=True)
-            assert global_hooks() == 2, stage  # while the graph, which a backward reached, lives
-            del out, pullback
-            assert hooks(model) == 1 and global_hooks() == 0, stage
             mine.remove()
             del states, later
             assert hooks(model) == 0, stage

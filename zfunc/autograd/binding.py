@@ -4,9 +4,8 @@ A `ModuleBinding` is made once per (module, layout) by `zfunc.init` and is stati
 the state. It owns everything zfunc adds to the user's module: at stage 3 a forward pre-hook and
 post-hook on each unit module (they gather the unit for the call that runs it; at stages 1-2 with
 `Config.units` they wait for the unit's all-gather, `zfunc.autograd.forward_gather`), a pre-hook and post-hook
-for every module (torch's global module hooks) that act on those whose subtree holds parameters
-while a zfunc model's backward recomputes a forward (activation checkpointing:
-`zfunc.autograd.recompute`), and, when the module was donated
+on each module with a forward whose subtree holds parameters (inert except while a zfunc model's
+backward recomputes a forward, activation checkpointing: `zfunc.autograd.recompute`), and, when the module was donated
 (``init(..., donate=True)``), a guard that refuses direct calls (which stays). The hooks hold the
 binding weakly: they leave the module when no state holds the binding, or at
 `ModuleBinding.remove`. Per-call context (which state, which sinks) travels in the binding's
@@ -83,34 +82,6 @@ def _remove(*lists: list[RemovableHandle | None]) -> None:
         handles.clear()
 
 
-
-
-def _register(mod: torch.nn.Module | None, is_pre: bool, hook: Callable[..., Any]) -> RemovableHandle:
-    """A forward pre-hook (before the user's) or an always-called forward hook on ``mod``, or on
-    every module (``mod`` None: torch's global module hooks)."""
-    if mod is None:
-        return (torch.nn.modules.module.register_module_forward_pre_hook(hook) if is_pre
-                else torch.nn.modules.module.register_module_forward_hook(hook, always_call=True))
-    return (mod.register_forward_pre_hook(hook, prepend=True) if is_pre
-            else mod.register_forward_hook(hook, always_call=True))
-
-
-def _reinsert(mod: torch.nn.Module | None, is_pre: bool, hook: Callable[..., Any], key: int) -> None:
-    """A hook `_register` put on and its handle took off again, back under its id (a compiled
-    block guards on the hook ids it traced: new ids each call would recompile it)."""
-    if mod is None:
-        hooks = torch.nn.modules.module
-        if is_pre:
-            hooks._global_forward_pre_hooks[key] = hook
-        else:
-            hooks._global_forward_hooks[key] = hook
-            hooks._global_forward_hooks_always_called[key] = True
-    elif is_pre:
-        mod._forward_pre_hooks[key] = hook
-        mod._forward_pre_hooks.move_to_end(key, last=False)
-    else:
-        mod._forward_hooks[key] = hook
-        mod._forward_hooks_always_called[key] = True
 
 
 class ModuleBinding(Routing, Recompute):
@@ -259,9 +230,16 @@ class ModuleBinding(Routing, Recompute):
                 mod, is_pre, hook, _ = self._specs[k]
                 handle = self._call_handles[k]
                 if handle is None:  # the first time: registered as torch does
-                    self._call_handles[k] = _register(mod, is_pre, hook)
-                else:  # later: the same hook under the same id, where torch keeps it (`_reinsert`)
-                    _reinsert(mod, is_pre, hook, handle.id)
+                    self._call_handles[k] = (mod.register_forward_pre_hook(hook, prepend=True) if is_pre
+                                             else mod.register_forward_hook(hook, always_call=True))
+                # Later: the same hook under the same id, where torch keeps it. A compiled block
+                # guards on its modules' hook ids: new ids each call would recompile it.
+                elif is_pre:
+                    mod._forward_pre_hooks[handle.id] = hook
+                    mod._forward_pre_hooks.move_to_end(handle.id, last=False)
+                else:
+                    mod._forward_hooks[handle.id] = hook
+                    mod._forward_hooks_always_called[handle.id] = True
 
     def _detach_if_idle(self) -> None:
         """Take the hooks off the module when no call runs and no call's graph lives (no

@@ -1,11 +1,10 @@
 """The recompute binding: a forward that activation checkpointing recomputes during backward,
 outside zfunc's call, runs on the parameters of the call whose backward it is. A mixin of
-`zfunc.autograd.binding.ModuleBinding`: hooks for each module whose subtree holds parameters
-outside the units or buffers, and for those inside a unit's module
-(`Recompute._install_recompute_hooks`), run by one forward pre-hook and post-hook for every
-module (torch's global module hooks) put on when a backward reaches a call's outputs
-(`Recompute._reached`) and acting only while one runs; the call is found from the graph
-(`Recompute._source`).
+`zfunc.autograd.binding.ModuleBinding`: forward pre/post hooks on each module whose subtree holds
+parameters outside the units or buffers, and on those inside a unit's module
+(`Recompute._install_recompute_hooks`), put on when a backward
+reaches a call's outputs (`Recompute._reached`) and acting only while one runs; the call is found
+from the graph (`Recompute._source`).
 """
 
 from __future__ import annotations
@@ -125,9 +124,6 @@ class Recompute:
         # its kind put its subtree's in (`_cover_in` counts it by the module's id).
         inside = {id(m): unit for unit, top, _ in self._unit_modules for m in top.modules() if m is not top}
         above = _above(self.module)
-        # id(module) -> (the module, its pre-hooks in the order they run, its post-hooks likewise:
-        # a unit's kind covers first, and is undone last)
-        table: dict[int, tuple[torch.nn.Module, list, list]] = {}
         hooked: set[int] = set()
         for mod, below in readers(self.module):
             mine = [slot for slot in slots if id(slot[1]) in below]
@@ -136,37 +132,16 @@ class Recompute:
                 unit = inside.get(id(mod))
                 within = (() if unit is None else (unit,)) + tuple(a for a in above[id(mod)] if a in hooked)
                 hooked.add(id(mod))
-                _, pres, posts = table.setdefault(id(mod), (mod, [], []))
-                pres.append(pre(OUTSIDE, mine, below, within, bufs))
-                posts.append(post(within))
+                self._specs += [(mod, True, pre(OUTSIDE, mine, below, within, bufs), RECOMPUTE),
+                                (mod, False, post(within), RECOMPUTE)]
         for unit, top, unit_slots in self._unit_modules:
             hooked = set()
             for mod, below in readers(top):
                 if mod is not top and any(id(slot[1]) in below for slot in unit_slots):
                     within = (unit,) + tuple(a for a in above[id(mod)] if a in hooked)
                     hooked.add(id(mod))
-                    _, pres, posts = table.setdefault(id(mod), (mod, [], []))
-                    pres.insert(0, pre(unit, unit_slots, below, within))
-                    posts.append(post(within))
-        if not table:
-            return
-
-        # Two hooks for every module (torch's global module hooks), on only from a backward
-        # reaching a call's outputs until no call's graph lives: one registration each, where
-        # two per module would go on and off with every backward.
-        def run_pre(mod: torch.nn.Module, args: Any) -> None:
-            entry = table.get(id(mod))
-            if entry is not None and entry[0] is mod:
-                for hook in entry[1]:
-                    hook(mod, args)
-
-        def run_post(mod: torch.nn.Module, args: Any, out: Any) -> None:
-            entry = table.get(id(mod))
-            if entry is not None and entry[0] is mod:
-                for hook in entry[2]:
-                    hook(mod, args, out)
-
-        self._specs += [(None, True, run_pre, RECOMPUTE), (None, False, run_post, RECOMPUTE)]
+                    self._specs += [(mod, True, pre(unit, unit_slots, below, within), RECOMPUTE),
+                                    (mod, False, post(within), RECOMPUTE)]
 
     def _cover_in(self, mod: torch.nn.Module, unit: int, names: list[str], places: list[tuple[dict, str]],
                   below: frozenset, slots: list, buffer_names: Sequence[str]) -> bool:
