@@ -4,6 +4,7 @@ latest call's parameters (`zfunc.autograd.recompute.Recompute._cover_in`), never
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -479,6 +480,123 @@ def test_zfunc_in_another_thread_gives_right_gradients_or_a_clear_error(ckpt):
         both, errors = _grads_with(stage, ckpt, "concurrent")
         assert all(torch.equal(g, alone[0]) for g in both), stage
         assert all("in another thread now" in str(e) for e in errors), (stage, errors)
+
+
+class _Paused(torch.nn.Module):
+    """A module holding a parameter and a child; its forward can wait, in thread "A", for the
+    test to go on (``gate``)."""
+
+    def __init__(self, gate: dict):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(4))
+        self.c = torch.nn.Linear(4, 4)
+        self.gate = gate
+
+    def forward(self, x):
+        h = x * self.w
+        if self.gate.get("on") and threading.current_thread().name == "A":
+            self.gate["inside"].set()
+            self.gate["go"].wait(10)
+        return self.c(h)
+
+
+class _PausedNet(torch.nn.Module):
+    def __init__(self, ckpt: str, gate: dict):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.p, self.ckpt = torch.nn.Linear(4, 4), _Paused(gate), ckpt
+
+    def forward(self, x, whole: bool):
+        h = self.inp(x)
+        reentrant = self.ckpt == "reentrant"
+        if whole:  # the covering module
+            return torch.utils.checkpoint.checkpoint(self.p, h, use_reentrant=reentrant)
+        return torch.utils.checkpoint.checkpoint(self.p.c, h * self.p.w, use_reentrant=reentrant)  # its child alone
+
+
+def _paused(ckpt: str, stage: int, overlap: bool) -> tuple[Any, Any]:
+    """Two states of one binding with other weights: A's backward recomputes the module that
+    covers its subtree, B's recomputes only the child; with ``overlap``, B's runs while A's
+    recomputation waits inside the module (in thread "A"). B's gradients (or its error) and A's."""
+    gate = {"on": False, "inside": threading.Event(), "go": threading.Event()}
+    cfg = zfunc.Config(stage=stage, persist_threshold=0, optimizer=zfunc.sgd(lr=0.5))
+    first = zfunc.init(_PausedNet(ckpt, gate), cfg)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    second = zfunc.apply_step(zfunc.backward_step(first, lambda m, x: m(x, True).pow(2).sum(), x)[0])
+    out_a, pullback_a = zfunc.vjp(first, lambda m, x: m(x, True), x)
+    out_b, pullback_b = zfunc.vjp(second, lambda m, x: m(x, False), x)
+    if not overlap:
+        return pullback_b(torch.ones_like(out_b)).grads, pullback_a(torch.ones_like(out_a)).grads
+    gate["on"] = True
+    got_a: list[Any] = []
+
+    def a() -> None:
+        try:
+            got_a.append(pullback_a(torch.ones_like(out_a)).grads)
+        except RuntimeError as e:
+            got_a.append(e)
+
+    thread = threading.Thread(target=a, name="A")
+    thread.start()
+    assert gate["inside"].wait(10)
+    try:
+        got_b: Any = pullback_b(torch.ones_like(out_b)).grads
+    except RuntimeError as e:
+        got_b = e
+    gate["go"].set()
+    thread.join()
+    return got_b, got_a[0]
+
+
+@pytest.mark.parametrize("ckpt", ["nonreentrant", "reentrant"])
+def test_a_recomputation_in_another_thread_is_not_covered_by_this_ones(ckpt):
+    """While thread A's recomputation covers a module's subtree, thread B's recomputation of a
+    child of it (its own state) is refused with an error naming the cause, and A's gradients
+    are exact (the hooks of the modules below a covering one are asleep in its thread only:
+    B's ran on A's tensors, 2.0 off)."""
+    for stage in (0, 2, 3):
+        alone_b, alone_a = _paused(ckpt, stage, False)
+        got_b, got_a = _paused(ckpt, stage, True)
+        assert isinstance(got_b, RuntimeError) and "in another thread now" in str(got_b), (stage, got_b)
+        assert torch.equal(got_a, alone_a), stage
+
+
+class _TwoInits(torch.nn.Module):
+    def __init__(self, ckpt: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.b, self.ckpt = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), ckpt
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.b, self.inp(x), use_reentrant=self.ckpt == "reentrant")
+
+
+def test_two_inits_of_one_module_in_one_checkpointed_backward_are_refused():
+    """Two states made by separate ``init`` calls on one module (two bindings), other weights,
+    a loss through a call of each, checkpointed: each recomputation would run on the other's
+    parameters (4.1 off), so it is refused, naming the cause; each state's backward on its own
+    trains as plain torch on its weights; the module keeps its own parameters."""
+    from zfunc.core.backward import bind, sinks_into
+
+    for ckpt in ("reentrant", "nonreentrant"):
+        for stage in (0, 2, 3):
+            model = _TwoInits(ckpt)
+            own = [p for p in model.parameters()]
+            cfg = zfunc.Config(stage=stage, optimizer=zfunc.sgd(lr=0.5))
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(3))
+            first, second = zfunc.init(model, cfg), zfunc.init(model, cfg)
+            second = zfunc.apply_step(zfunc.backward_step(second, lambda m, x: m(x).sum(), x)[0])
+            grads = [torch.zeros(s.layout.full_numel) for s in (first, second)]
+            with pytest.raises(RuntimeError, match="separate zfunc.init calls on one module"):
+                sum(bind(s, sinks_into(s, g))(x).pow(2).sum() for s, g in zip((first, second), grads)).backward()
+            assert [p for p in model.parameters()] == own and all(type(p) is torch.nn.Parameter for p in own)
+            for s in (first, second):
+                ref = _TwoInits(ckpt)
+                ref.load_state_dict(zfunc.full_params(s))
+                ref(x).pow(2).sum().backward()
+                got = zfunc.backward_step(s, lambda m, x: m(x).pow(2).sum(), x)[0].grads
+                want = torch.cat([p.grad.flatten() for p in ref.parameters()])
+                assert (got[:want.numel()] - want).abs().max().item() < 1e-6, (ckpt, stage)
 
 
 class _ReadsEmbedding(torch.nn.Module):

@@ -65,13 +65,13 @@ def test_torch_func_grad_inside_loss_fn(stage):
 
 
 class _Blocks(nn.Module):
-    def __init__(self, ckpt: str | None = None):
+    def __init__(self, ckpt: str | None = None, n: int = 2):
         super().__init__()
         torch.manual_seed(0)
         self.inp = nn.Linear(3, 8)
         norm = nn.BatchNorm1d if ckpt else nn.Identity  # with checkpointing, a block holding buffers
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), norm(8), nn.GELU(), nn.Linear(8, 8))
-                                    for _ in range(2))
+                                    for _ in range(n))
         self.out = nn.Linear(8, 2)
         self.ckpt = ckpt  # each block under activation checkpointing ("reentrant" or "nonreentrant")
 
@@ -83,23 +83,23 @@ class _Blocks(nn.Module):
         return self.out(h)
 
 
-def _compiled(rank: int, stage: int, how: str, donate: bool = False,
-              by_class: bool = False, ckpt: str | None = None, persist: int | None = 0) -> list[torch.Tensor]:
+def _compiled(rank: int, stage: int, how: str, donate: bool = False, by_class: bool = False,
+              ckpt: str | None = None, persist: int | None = 0, n: int = 2) -> list[torch.Tensor]:
     """Three steps with the model ``"eager"``, compiled per block (``"blocks"``, torchtitan's way:
     each block on its own, no graph break allowed), or compiled whole (``"whole"``: the compiled
     model given to ``init``); the units named by path (by default at stage 3; with ``ckpt``, each
     block checkpointed, at stages 1-2 too), or by class (each block's); ``persist`` the
-    ``persist_threshold`` (None: the default)."""
+    ``persist_threshold`` (None: the default); ``n`` blocks."""
     import torch._dynamo
 
     torch._dynamo.reset()
-    model = _Blocks(ckpt)
+    model = _Blocks(ckpt, n)
     if how == "whole":
         model = torch.compile(model, backend="aot_eager")
     elif how == "blocks":
         for i, b in enumerate(model.blocks):
             model.blocks[i] = torch.compile(b, fullgraph=True, backend="aot_eager")
-    by_path = ["blocks.0", "blocks.1"] if stage == 3 or (ckpt and stage) else None
+    by_path = [f"blocks.{i}" for i in range(n)] if stage == 3 or (ckpt and stage) else None
     units = ([nn.Sequential] if stage else None) if by_class else by_path
     kept = {} if persist is None else {"persist_threshold": persist}
     state = zfunc.init(model, zfunc.Config(stage=stage, units=units, grad_accum=2, optimizer=zfunc.adamw(lr=1e-2),
@@ -156,6 +156,30 @@ def test_compiled_blocks_under_checkpointing_with_small_parameters_in_the_root(c
         eager = run_ranks(_compiled, 1, 3, "eager", False, False, ckpt, persist)
         for a, b in zip(eager, run_ranks(_compiled, 1, 3, "blocks", False, False, ckpt, persist)):
             assert max((x - y).abs().max().item() for x, y in zip(a, b)) <= 1e-6, (persist, ckpt)
+
+
+def _graphs_of_many_blocks(rank: int, stage: int, ckpt: str) -> tuple[list[torch.Tensor], int]:
+    """Ten compiled blocks, each checkpointed: their parameters after three steps and the
+    graphs Dynamo made (one block's code serves all ten)."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()  # (a worker process may have compiled before)
+    params = _compiled(rank, stage, "blocks", False, False, ckpt, 0, 10)
+    return params, int(counters["stats"]["unique_graphs"])
+
+
+@pytest.mark.parametrize("ckpt", ["reentrant", "nonreentrant"])
+def test_more_compiled_blocks_than_dynamos_limit_under_checkpointing(ckpt):
+    """Ten blocks compiled one by one (``fullgraph=True``), each checkpointed, at stages 0 and 3:
+    the recompute hooks of every block trace as one (a hook id shared by every module, nothing
+    read of a module's own), so the recomputation compiles as plain torch's does (two graphs
+    under reentrant checkpointing: the forward without grad, the recomputation with it), not
+    one per block up to Dynamo's limit of 8 (``FailOnRecompileLimitHit``); and trains as eager."""
+    for stage in (0, 3):
+        eager = run_ranks(_compiled, 1, stage, "eager", False, False, ckpt, 0, 10)[0]
+        [(compiled, graphs)] = run_ranks(_graphs_of_many_blocks, 1, stage, ckpt)
+        assert graphs == (2 if ckpt == "reentrant" else 1), (stage, graphs)
+        assert max((x - y).abs().max().item() for x, y in zip(eager, compiled)) <= 1e-6, stage
 
 
 def _raised_then_compiled(rank: int) -> tuple[int, bool]:

@@ -18,6 +18,7 @@ inputs, running on one state's tensors.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import threading
@@ -35,6 +36,7 @@ from zfunc.autograd.buckets import Bucket, Fold, plan_buckets
 from zfunc.autograd.direct_reads import DirectReads
 from zfunc.distributed.pool import Pool
 from zfunc.autograd.recompute import CALL as _CALL
+from zfunc.autograd.recompute import RECOMPUTE as _RECOMPUTE
 from zfunc.autograd.recompute import Recompute
 from zfunc.autograd.routing import Routing
 from zfunc.autograd.swap import set_data
@@ -71,6 +73,28 @@ def _refuse_donated(module: torch.nn.Module) -> None:
         "given to init(..., donate=True), or came with an unpickled state, which carries the module as code "
         "only). Run it through zfunc (backward_step, vjp, train_step or the engine), or read the "
         "weights with zfunc.full_params")
+
+
+def _take_off(specs: list[tuple[torch.nn.Module, bool, Any, int]], ids: dict[tuple[int, bool], int],
+              attached: set[int]) -> None:
+    """Take the call hooks of the phases in ``attached`` off their modules (`ModuleBinding.attach`
+    put them there), and empty ``attached``."""
+    for mod, is_pre, _, phase in specs:
+        if phase not in attached:
+            continue
+        key = ids[(phase, is_pre)]
+        if is_pre:
+            del mod._forward_pre_hooks[key]
+        else:
+            del mod._forward_hooks[key]
+            del mod._forward_hooks_always_called[key]
+    attached.clear()
+
+
+def _let_go(handles: list[RemovableHandle], *call_hooks: Any) -> None:
+    """A binding no state holds: every hook of it leaves the module."""
+    _remove(handles)
+    _take_off(*call_hooks)
 
 
 def _remove(*lists: list[RemovableHandle | None]) -> None:
@@ -112,15 +136,20 @@ class ModuleBinding(Routing, Recompute):
         self.donated = False
         # Every hook holds the binding weakly: once no state holds it, it goes by reference
         # counting, and its hooks leave the module with it. ``_handles``: the engine's (the shim
-        # keeps them while the engine lives); ``_call_handles``: the hooks a zfunc call needs
-        # (`_specs`), on the module from a call's start (`attach`) until no call runs and no
-        # call's graph lives (`_detach_if_idle`).
+        # keeps them while the engine lives); ``_specs``: the hooks a zfunc call needs, at most
+        # one of each phase and kind on a module, on it from a call's start (`attach`) until no
+        # call runs and no call's graph lives (`_detach_if_idle`).
         self._handles: list[RemovableHandle] = []
         self._specs: list[tuple[torch.nn.Module, bool, Callable[..., Any], int]] = []  # (module, pre?, hook, phase)
-        self._call_handles: list[RemovableHandle | None] = []  # by spec, once registered
         self._removed = False
         self._attached: set[int] = set()  # the phases on the module now
-        weakref.finalize(self, _remove, self._handles, self._call_handles)
+        # One hook id per phase and kind (pre or post), the same on every module: each module's
+        # hook goes in under it (`attach`), so the blocks of a model compiled one by one trace
+        # the same hook ids (Dynamo guards on them: an id per module would compile each block
+        # apart). Taken from torch's counter, so no other hook has it.
+        self._ids = {(phase, pre): RemovableHandle(collections.OrderedDict()).id
+                     for phase in (_CALL, _RECOMPUTE) for pre in (True, False)}
+        weakref.finalize(self, _let_go, self._handles, self._specs, self._ids, self._attached)
         self.unit_order: list[int] = []  # stage 3: the units the last forward ran, in order
         self._members: list[Any] = []  # set by `route`
         # The other names of a tied parameter or buffer, by its first name: a call passes the
@@ -143,6 +172,10 @@ class ModuleBinding(Routing, Recompute):
                 parent, _, attr = name.rpartition(".")
                 self.entries.append((getattr(modules[parent], kind), attr, name))
         self._frames: list[Any] = []
+        # Each parameter entry's own tensor, by (id of its module's parameter dict, name there):
+        # what a covering swap finds in it at rest (`Recompute._at_rest`).
+        self._own = {(id(modules[n.rpartition(".")[0]]._parameters), n.rpartition(".")[2]): p
+                     for n, p in module.named_parameters(remove_duplicate=False)}
         # The threads running the module for a zfunc call now (a forward, or a recomputation in
         # backward), with their depth: torch puts a call's tensors in the module's own entries,
         # so one thread at a time (`occupied`).
@@ -171,7 +204,10 @@ class ModuleBinding(Routing, Recompute):
         # covers it), `_cover_in`; and each unit's index, module and slots.
         self._covering: dict[int, list[tuple[int, int, frozenset, int, Any]]] = {}
         self._unit_modules: list[tuple[int, torch.nn.Module, list[tuple[str, torch.nn.Module, str]]]] = []
-        self._running: dict[int, int] = {}  # unit -> how deep its module runs now (its hooks count)
+        # A unit's index, or a covering module's id -> how deep its module runs now, and by thread
+        # (`Recompute._run`): the recompute hooks below it are asleep
+        self._running: dict[int, int] = {}
+        self._runners: dict[int, dict[int, int]] = {}
         if stage == 3:
             self._install_unit_hooks([(i, u.name, [s.name for s in u.slots]) for i, u in enumerate(layout.units)
                                       if u.name != "root"])
@@ -179,7 +215,6 @@ class ModuleBinding(Routing, Recompute):
             self.gather_plan = plan_gathers(layout, [names for _, names in units])
             self._install_unit_hooks([(i, name, names) for i, (name, names) in enumerate(units)])
         self._install_recompute_hooks()
-        self._call_handles.extend([None] * len(self._specs))
         self._phases: dict[int, list[int]] = {}  # phase -> its hooks' places in `_specs`
         for k, spec in enumerate(self._specs):
             self._phases.setdefault(spec[3], []).append(k)
@@ -228,18 +263,14 @@ class ModuleBinding(Routing, Recompute):
             self._attached.add(phase)
             for k in self._phases.get(phase, ()):
                 mod, is_pre, hook, _ = self._specs[k]
-                handle = self._call_handles[k]
-                if handle is None:  # the first time: registered as torch does
-                    self._call_handles[k] = (mod.register_forward_pre_hook(hook, prepend=True) if is_pre
-                                             else mod.register_forward_hook(hook, always_call=True))
-                # Later: the same hook under the same id, where torch keeps it. A compiled block
-                # guards on its modules' hook ids: new ids each call would recompile it.
-                elif is_pre:
-                    mod._forward_pre_hooks[handle.id] = hook
-                    mod._forward_pre_hooks.move_to_end(handle.id, last=False)
-                else:
-                    mod._forward_hooks[handle.id] = hook
-                    mod._forward_hooks_always_called[handle.id] = True
+                key = self._ids[(phase, is_pre)]
+                if is_pre:  # before the user's own (a weight-norm hook reads the unit's parameters)
+                    mod._forward_pre_hooks[key] = hook
+                    if len(mod._forward_pre_hooks) > 1:
+                        mod._forward_pre_hooks.move_to_end(key, last=False)
+                else:  # after them, and run when the forward raised too (as always_call=True)
+                    mod._forward_hooks[key] = hook
+                    mod._forward_hooks_always_called[key] = True
 
     def _detach_if_idle(self) -> None:
         """Take the hooks off the module when no call runs and no call's graph lives (no
@@ -249,12 +280,7 @@ class ModuleBinding(Routing, Recompute):
         with self._users_lock:
             if self._users or self._watch or not self._attached:
                 return
-            for phase in self._attached:
-                for k in self._phases.get(phase, ()):
-                    handle = self._call_handles[k]
-                    if handle is not None:
-                        handle.remove()
-            self._attached.clear()
+            _take_off(self._specs, self._ids, self._attached)
 
     def _call_gone(self, ref: weakref.ref) -> None:
         with self._users_lock:
@@ -275,8 +301,10 @@ class ModuleBinding(Routing, Recompute):
         finally:
             with self._users_lock:
                 self._users[me] = depth + 1  # what a unit's post-hook skipped, forgotten
-                if depth == 0:  # no unit's module runs once the outermost call is over
-                    self._running.clear()
+                if depth == 0:  # no unit's module runs in this thread once its outermost call is over
+                    for key, threads in list(self._runners.items()):
+                        if threads.get(me):
+                            self._run(key, -threads[me])
             self.release()
 
     def buckets(self, state: TrainState) -> tuple[Bucket, ...]:
@@ -334,7 +362,7 @@ class ModuleBinding(Routing, Recompute):
             b = me()
             if b is None:
                 return
-            b._running[i] = b._running.get(i, 0) + 1  # (the post-hook always runs)
+            b._run(i, 1)  # (the post-hook always runs)
             call = b._call()
             if call is not None:
                 b.occupy()  # a recomputation in backward too (released by the post-hook, which always runs)
@@ -353,7 +381,7 @@ class ModuleBinding(Routing, Recompute):
             b = me()
             if b is None:
                 return
-            b._running[i] = b._running.get(i, 1) - 1
+            b._run(i, -1)
             call = b._call()
             if call is not None:
                 try:
@@ -432,7 +460,7 @@ class ModuleBinding(Routing, Recompute):
             memo[id(p)] = torch.nn.Parameter(like, requires_grad=p.requires_grad)
         for b in self.module.buffers():
             memo[id(b)] = torch.empty_like(b, device="meta")
-        ours = {h.id for h in self._handles + self._call_handles if h is not None}
+        ours = {h.id for h in self._handles} | set(self._ids.values())
         if self.donated:
             ours.update(h.id for h in self._refusing)
         out = copy.deepcopy(self.module, memo)
@@ -458,9 +486,10 @@ class ModuleBinding(Routing, Recompute):
         """Take every hook zfunc added to the module away, for good, for every state sharing the
         binding (a state's copies included): units then run unbound, as at stages 1-2 without
         ``Config.units`` (a donated module stays empty)."""
-        self._removed = True
-        self._attached.clear()
-        _remove(self._handles, self._call_handles)
+        with self._users_lock:
+            self._removed = True
+            _take_off(self._specs, self._ids, self._attached)
+        _remove(self._handles)
         self.unit_params = {}
         self._members = []
         self.gather_plan = None  # no hook waits for a unit now: apply_step gathers before returning

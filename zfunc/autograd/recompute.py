@@ -41,6 +41,8 @@ class Recompute:
     _covering: dict[int, list[tuple[int, int, frozenset, int, Any]]]
     _unit_modules: list[tuple[int, torch.nn.Module, list[tuple[str, torch.nn.Module, str]]]]
     _running: dict[int, int]
+    _runners: dict[int, dict[int, int]]
+    _own: dict[tuple[int, str], torch.Tensor]
     stage: int
     _watch: set[weakref.ref]
     _members: list[Any]
@@ -55,8 +57,10 @@ class Recompute:
         reads ``out_proj.weight``, or a tied head ``F.linear(h, self.emb.weight)`` does). When
         autograd recomputes a forward during backward (activation checkpointing), outside zfunc's
         call, the outermost such module recomputed puts the latest call's parameters of its whole
-        subtree in place (`_cover_in`) until it returns; the modules of that subtree it calls find
-        theirs there already. Likewise each module with a forward inside a unit's module (a
+        subtree in place (`_cover_in`) until it returns; the hooks of the modules below it are
+        asleep meanwhile, in its thread. A compiled module (``torch.compile``'s wrapper, whose
+        forward is its own attribute) is such a module: its hooks, outside its compiled code,
+        cover what the traced hooks inside would. Likewise each module with a forward inside a unit's module (a
         block's attention or MLP, checkpointed on its own) puts in its unit's parameters, gathered
         again at stage 3, unless the unit's module runs around it. A read outside the forward of
         every module whose subtree holds the parameter (``h @ emb.weight.T`` in the checkpointed
@@ -65,17 +69,25 @@ class Recompute:
         outside = [n for n, _ in self.module.named_parameters() if n not in self.unit_params]
         slots = self._slots(outside)
         buffers = self._slots([n for n, _ in self.module.named_buffers()], buffers=True)
-        me, flight, running = weakref.ref(self), self.flight, self._running
+        me, flight, running, runners = weakref.ref(self), self.flight, self._running, self._runners
 
-        # Both hooks return at once where nothing is to be done: in a forward, and, for a module
-        # inside a unit's module (``within``), while that module runs around it (its own hooks
-        # put in the unit and what else its subtree holds): inside a compiled block that is all
-        # Dynamo traces of them.
-        def asleep(within: tuple) -> bool:
+        # Both hooks return at once where nothing is to be done: in a forward, and while a module
+        # around it in this thread covers what it would put in (``within``: its unit's module
+        # runs, or a module above it put its subtree's in; `_run` counts them). Inside a compiled
+        # block that is all Dynamo traces of them: there a module below another with hooks is
+        # asleep while any module runs covered (the compiled block's own hooks, outside its
+        # compiled code, covered it, in the thread that runs its graph), read without the
+        # module's own ``within``, so one graph serves every block.
+        def asleep(within: tuple, nested: bool) -> bool:
             if flight.backwards == 0:
                 return True
+            if not nested:  # (``bool(within)``, a closure Dynamo guards on as one value for every block)
+                return False
+            if torch.compiler.is_compiling():
+                return flight.covered > 0
+            me = threading.get_ident()
             for key in within:
-                if running.get(key):
+                if running.get(key) and me in runners.get(key, ()):
                     return True
             return False
 
@@ -84,9 +96,10 @@ class Recompute:
             places = [(owner._parameters, attr) for _, owner, attr in slots]
             places += [(owner._buffers, attr) for _, owner, attr in bufs]
             buffer_names = [n for n, _, _ in bufs]
+            nested = bool(within)
 
             def hook(mod: torch.nn.Module, args: Any) -> None:
-                if asleep(within):
+                if asleep(within, nested):
                     return
                 b = me()
                 if b is not None:
@@ -94,8 +107,10 @@ class Recompute:
             return hook
 
         def post(within: tuple) -> Any:
+            nested = bool(within)
+
             def hook(mod: torch.nn.Module, args: Any, out: Any) -> None:
-                if asleep(within):
+                if asleep(within, nested):
                     return
                 b = me()
                 if b is not None:
@@ -124,6 +139,9 @@ class Recompute:
         # its kind put its subtree's in (`_cover_in` counts it by the module's id).
         inside = {id(m): unit for unit, top, _ in self._unit_modules for m in top.modules() if m is not top}
         above = _above(self.module)
+        # id(module) -> (the module, its pre-hooks in the order they run, its post-hooks likewise:
+        # its unit's covers first and is undone last)
+        hooks: dict[int, tuple[torch.nn.Module, list, list]] = {}
         hooked: set[int] = set()
         for mod, below in readers(self.module):
             mine = [slot for slot in slots if id(slot[1]) in below]
@@ -132,16 +150,21 @@ class Recompute:
                 unit = inside.get(id(mod))
                 within = (() if unit is None else (unit,)) + tuple(a for a in above[id(mod)] if a in hooked)
                 hooked.add(id(mod))
-                self._specs += [(mod, True, pre(OUTSIDE, mine, below, within, bufs), RECOMPUTE),
-                                (mod, False, post(within), RECOMPUTE)]
+                _, pres, posts = hooks.setdefault(id(mod), (mod, [], []))
+                pres.append(pre(OUTSIDE, mine, below, within, bufs))
+                posts.append(post(within))
         for unit, top, unit_slots in self._unit_modules:
             hooked = set()
             for mod, below in readers(top):
                 if mod is not top and any(id(slot[1]) in below for slot in unit_slots):
                     within = (unit,) + tuple(a for a in above[id(mod)] if a in hooked)
                     hooked.add(id(mod))
-                    self._specs += [(mod, True, pre(unit, unit_slots, below, within), RECOMPUTE),
-                                    (mod, False, post(within), RECOMPUTE)]
+                    _, pres, posts = hooks.setdefault(id(mod), (mod, [], []))
+                    pres.insert(0, pre(unit, unit_slots, below, within))
+                    posts.append(post(within))
+        for mod, pres, posts in hooks.values():  # one pre-hook and one post-hook a module
+            self._specs += [(mod, True, pres[0] if len(pres) == 1 else _both(pres), RECOMPUTE),
+                            (mod, False, posts[0] if len(posts) == 1 else _both(posts), RECOMPUTE)]
 
     def _cover_in(self, mod: torch.nn.Module, unit: int, names: list[str], places: list[tuple[dict, str]],
                   below: frozenset, slots: list, buffer_names: Sequence[str]) -> bool:
@@ -176,9 +199,11 @@ class Recompute:
                 undo: Any = (source, unit)
             elif not buffer_names:
                 views = source.views(names)
+                self._at_rest(mod, names, places, views)
                 undo = swap_in([(entries, attr, views[n]) for n, (entries, attr) in zip(names, places)])
             else:  # (a buffer the call does not carry keeps the module's own)
                 views = source.views(names) if names else {}
+                self._at_rest(mod, names, places, views)
                 views.update({n: source.buffers[n] for n in buffer_names if n in source.buffers})
                 undo = swap_in([(entries, attr, views[n]) for n, (entries, attr)
                                 in zip(itertools.chain(names, buffer_names), places) if n in views])
@@ -188,7 +213,7 @@ class Recompute:
             self.release()
             raise
         self._covering.setdefault(me, []).append((key, unit, below, task, undo))
-        self._running[key] = self._running.get(key, 0) + 1  # the hooks below it are asleep
+        self._run(key, 1)  # the hooks below it are asleep
         return True
 
     def _cover_out(self, mod: torch.nn.Module) -> None:
@@ -201,7 +226,7 @@ class Recompute:
             del self._covering[me]
         if undo is None:
             return
-        self._running[id(mod)] = self._running.get(id(mod), 1) - 1
+        self._run(id(mod), -1)
         try:
             if type(undo) is tuple:  # a unit gathered again (stage 3)
                 undo[0].leave(undo[1])
@@ -212,6 +237,49 @@ class Recompute:
                 put_back(undo)
         finally:
             self.release()
+
+    def _at_rest(self, mod: torch.nn.Module, names: list[str], places: list[tuple[dict, str]],
+                 views: dict[str, torch.Tensor]) -> None:
+        """Before a covering swap: each parameter entry holds the module's own tensor, or already
+        this call's (a module the covered one calls that holds some of the same). Anything else
+        is another binding's: two states made by separate ``init`` calls on one module, both
+        differentiated by this backward, would each recompute on the other's tensors.
+
+        Raises:
+            RuntimeError: naming the cause and what to do instead.
+        """
+        own = self._own
+        for n, (entries, attr) in zip(names, places):
+            now = entries.get(attr)
+            if now is not views[n] and now is not own.get((id(entries), attr)):
+                raise RuntimeError(
+                    f"activation checkpointing recomputes {type(mod).__name__} during backward, and {n} holds another "
+                    "zfunc state's tensor: two states made by separate zfunc.init calls on one module are "
+                    "differentiated by this backward, and each would recompute on the other's parameters. Run "
+                    "each state's backward on its own, or init the second state from a copy.deepcopy of the model "
+                    "(a state's own copies, copy.deepcopy(state), share its binding and are told apart)")
+
+    def _run(self, key: int, step: int) -> None:
+        """A unit's module (``key`` its index) or a covering module (its id) starts (``step``
+        1) or ends (-1) running in this thread: ``_running`` counts how deep, by key (what a
+        compiled block's hooks read), ``_runners`` by thread too (an eager hook is asleep only
+        under one running in its own thread). An entry that drops to 0 goes."""
+        me = threading.get_ident()
+        threads = self._runners.setdefault(key, {})
+        if step < 0 and not threads.get(me):  # (forgotten when this thread's outermost call ended)
+            return
+        depth = self._running.get(key, 0) + step
+        mine = threads.get(me, 0) + step
+        if mine > 0:
+            threads[me] = mine
+        else:
+            threads.pop(me, None)
+        if depth > 0:
+            self._running[key] = depth
+        else:
+            self._running.pop(key, None)
+            self._runners.pop(key, None)
+        self.flight.covered += step
 
     def _source(self, task: int | None = None) -> Any:
         """The call whose backward is running now, for a forward recomputed in it: among the calls
@@ -262,6 +330,16 @@ class Recompute:
         """(Under the lock.) `_source`'s kept answer may be stale: found afresh next time."""
         self._generation += 1
         self._last_source = None
+
+
+def _both(hooks: list) -> Any:
+    """One hook that runs ``hooks`` in order."""
+    first, second = hooks
+
+    def hook(*args: Any) -> None:
+        first(*args)
+        second(*args)
+    return hook
 
 
 def _above(module: torch.nn.Module) -> dict[int, set[int]]:
