@@ -43,6 +43,7 @@ class Recompute:
     _running: dict[int, int]
     _runners: dict[int, dict[int, int]]
     _own: dict[tuple[int, str], torch.Tensor]
+    _above_some: set[int]
     stage: int
     _watch: set[weakref.ref]
     _members: list[Any]
@@ -73,21 +74,18 @@ class Recompute:
 
         # Both hooks return at once where nothing is to be done: in a forward, and while a module
         # around it in this thread covers what it would put in (``within``: its unit's module
-        # runs, or a module above it put its subtree's in; `_run` counts them). Inside a compiled
-        # block that is all Dynamo traces of them: there a module below another with hooks is
-        # asleep while any module runs covered (the compiled block's own hooks, outside its
-        # compiled code, covered it, in the thread that runs its graph), read without the
-        # module's own ``within``, so one graph serves every block.
-        def asleep(within: tuple, nested: bool) -> bool:
-            if flight.backwards == 0:
-                return True
-            if not nested:  # (``bool(within)``, a closure Dynamo guards on as one value for every block)
-                return False
+        # runs, or a module above it put its subtree's in; `_run` counts them, and
+        # ``flight.covered`` all of them). Inside a compiled block that is all Dynamo traces of
+        # them: there a module below another with hooks is asleep while any module runs covered
+        # (the compiled block's own hooks, outside its compiled code, covered it, in the thread
+        # that runs its graph), read without the module's own ``within`` (``nested`` is one value
+        # for every block), so one graph serves every block.
+        def asleep(within: tuple) -> bool:  # (some module runs covered now)
             if torch.compiler.is_compiling():
-                return flight.covered > 0
-            me = threading.get_ident()
+                return True
+            thread = threading.get_ident()
             for key in within:
-                if running.get(key) and me in runners.get(key, ()):
+                if running.get(key) and thread in runners.get(key, ()):
                     return True
             return False
 
@@ -99,7 +97,7 @@ class Recompute:
             nested = bool(within)
 
             def hook(mod: torch.nn.Module, args: Any) -> None:
-                if asleep(within, nested):
+                if flight.backwards == 0 or nested and flight.covered and asleep(within):
                     return
                 b = me()
                 if b is not None:
@@ -110,7 +108,7 @@ class Recompute:
             nested = bool(within)
 
             def hook(mod: torch.nn.Module, args: Any, out: Any) -> None:
-                if asleep(within, nested):
+                if flight.backwards == 0 or nested and flight.covered and asleep(within):
                     return
                 b = me()
                 if b is not None:
@@ -142,13 +140,16 @@ class Recompute:
         # id(module) -> (the module, its pre-hooks in the order they run, its post-hooks likewise:
         # its unit's covers first and is undone last)
         hooks: dict[int, tuple[torch.nn.Module, list, list]] = {}
+        keys: set[int] = set()  # the covering modules some hook's ``within`` holds (by id)
         hooked: set[int] = set()
         for mod, below in readers(self.module):
             mine = [slot for slot in slots if id(slot[1]) in below]
             bufs = [slot for slot in buffers if id(slot[1]) in below]
             if mine or bufs:
                 unit = inside.get(id(mod))
-                within = (() if unit is None else (unit,)) + tuple(a for a in above[id(mod)] if a in hooked)
+                ancestors = tuple(a for a in above[id(mod)] if a in hooked)
+                within = (() if unit is None else (unit,)) + ancestors
+                keys.update(ancestors)
                 hooked.add(id(mod))
                 _, pres, posts = hooks.setdefault(id(mod), (mod, [], []))
                 pres.append(pre(OUTSIDE, mine, below, within, bufs))
@@ -157,11 +158,14 @@ class Recompute:
             hooked = set()
             for mod, below in readers(top):
                 if mod is not top and any(id(slot[1]) in below for slot in unit_slots):
-                    within = (unit,) + tuple(a for a in above[id(mod)] if a in hooked)
+                    ancestors = tuple(a for a in above[id(mod)] if a in hooked)
+                    within = (unit,) + ancestors
+                    keys.update(ancestors)
                     hooked.add(id(mod))
                     _, pres, posts = hooks.setdefault(id(mod), (mod, [], []))
                     pres.insert(0, pre(unit, unit_slots, below, within))
                     posts.append(post(within))
+        self._above_some = keys  # (`_cover_in` counts only these: no hook reads another's count)
         for mod, pres, posts in hooks.values():  # one pre-hook and one post-hook a module
             self._specs += [(mod, True, pres[0] if len(pres) == 1 else _both(pres), RECOMPUTE),
                             (mod, False, posts[0] if len(posts) == 1 else _both(posts), RECOMPUTE)]
@@ -213,7 +217,8 @@ class Recompute:
             self.release()
             raise
         self._covering.setdefault(me, []).append((key, unit, below, task, undo))
-        self._run(key, 1)  # the hooks below it are asleep
+        if key in self._above_some:
+            self._run(key, 1)  # the hooks below it are asleep
         return True
 
     def _cover_out(self, mod: torch.nn.Module) -> None:
@@ -226,7 +231,8 @@ class Recompute:
             del self._covering[me]
         if undo is None:
             return
-        self._run(id(mod), -1)
+        if id(mod) in self._above_some:
+            self._run(id(mod), -1)
         try:
             if type(undo) is tuple:  # a unit gathered again (stage 3)
                 undo[0].leave(undo[1])
@@ -240,24 +246,26 @@ class Recompute:
 
     def _at_rest(self, mod: torch.nn.Module, names: list[str], places: list[tuple[dict, str]],
                  views: dict[str, torch.Tensor]) -> None:
-        """Before a covering swap: each parameter entry holds the module's own tensor, or already
-        this call's (a module the covered one calls that holds some of the same). Anything else
-        is another binding's: two states made by separate ``init`` calls on one module, both
-        differentiated by this backward, would each recompute on the other's tensors.
+        """Before a covering swap: the first parameter entry holds the module's own tensor, or
+        already this call's (a module the covered one calls that holds some of the same).
+        Anything else is another binding's: two states made by separate ``init`` calls on one
+        module, both differentiated by this backward, each covering the same modules (the first
+        entry of them is enough to tell), would each recompute on the other's tensors.
 
         Raises:
             RuntimeError: naming the cause and what to do instead.
         """
-        own = self._own
-        for n, (entries, attr) in zip(names, places):
-            now = entries.get(attr)
-            if now is not views[n] and now is not own.get((id(entries), attr)):
-                raise RuntimeError(
-                    f"activation checkpointing recomputes {type(mod).__name__} during backward, and {n} holds another "
-                    "zfunc state's tensor: two states made by separate zfunc.init calls on one module are "
-                    "differentiated by this backward, and each would recompute on the other's parameters. Run "
-                    "each state's backward on its own, or init the second state from a copy.deepcopy of the model "
-                    "(a state's own copies, copy.deepcopy(state), share its binding and are told apart)")
+        if not names:
+            return
+        entries, attr = places[0]
+        now = entries.get(attr)
+        if now is not views[names[0]] and now is not self._own.get((id(entries), attr)):
+            raise RuntimeError(
+                f"activation checkpointing recomputes {type(mod).__name__} during backward, and {names[0]} holds "
+                "another zfunc state's tensor: two states made by separate zfunc.init calls on one module are "
+                "differentiated by this backward, and each would recompute on the other's parameters. Run "
+                "each state's backward on its own, or init the second state from a copy.deepcopy of the model "
+                "(a state's own copies, copy.deepcopy(state), share its binding and are told apart)")
 
     def _run(self, key: int, step: int) -> None:
         """A unit's module (``key`` its index) or a covering module (its id) starts (``step``
