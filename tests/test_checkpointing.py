@@ -230,6 +230,40 @@ def test_checkpointing_through_the_engine():
                 assert diff == 0 if ckpt == "non_reentrant" else diff < 1e-6, f"stage {stage} {ckpt}: {diff}"
 
 
+class _MetaBuilt(torch.nn.Module):
+    def __init__(self, ckpt: str):
+        super().__init__()
+        self.a, self.c, self.ckpt = torch.nn.Linear(4, 8), torch.nn.Linear(8, 2), ckpt
+        self.b = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+
+    def forward(self, x):
+        return self.c(torch.utils.checkpoint.checkpoint(self.b, self.a(x), use_reentrant=self.ckpt == "reentrant"))
+
+
+def _meta_engine(ckpt: str, stage: int, meta: bool) -> list[torch.Tensor]:
+    ds = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+          "zero_optimization": {"stage": stage}}
+    torch.manual_seed(0)
+    with zfunc.zero.Init(config_dict_or_path=ds, enabled=meta):
+        model = _MetaBuilt(ckpt)
+    engine, *_ = zfunc.initialize(model=model, config=ds)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        engine.backward(engine(torch.randn(4, 4, generator=g)).square().mean())
+        engine.step()
+    return list(zfunc.full_params(engine.state).values())
+
+
+def test_checkpointing_through_the_engine_on_a_module_built_on_meta():
+    """A module built under ``zfunc.zero.Init`` (on the meta device): the engine puts new
+    parameter objects in its entries. A recomputation finds them there at rest (it refused them
+    as another state's tensors), and trains as the module built eagerly, bitwise."""
+    for ckpt in ("reentrant", "nonreentrant"):
+        for stage in (0, 1, 2, 3):
+            eager, meta = _meta_engine(ckpt, stage, False), _meta_engine(ckpt, stage, True)
+            assert all(torch.equal(a, b) for a, b in zip(eager, meta)), (ckpt, stage)
+
+
 def _fp16_engine(rank: int, ckpt: str | None, how: str, stage: int = 1) -> list[torch.Tensor]:
     """Three steps of an fp16 engine (loss scaling) over `_Adapters` (``ckpt``: None,
     ``"reentrant"`` or ``"nested"``), the loss through

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 from typing import Any
 
 import pytest
@@ -290,6 +292,36 @@ def test_no_zfunc_hook_on_the_module_between_calls():
             assert hooks(model) == 0, stage
     finally:
         gc.enable()
+
+
+def test_a_users_hook_under_any_id_stays_and_runs():
+    """zfunc's call hooks go in under ids of their own, never one of torch's counter: a module
+    unpickled in a process carries its user's hooks under the ids of the process that made them,
+    where the counter may hand out the same ones (simulated here: the user's pre-hook under the
+    id the counter gives next). The user's hook runs in every call and stays, at every stage."""
+    from torch.utils.hooks import RemovableHandle
+
+    for stage in (0, 1, 2, 3):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        ran: list[int] = []
+
+        def doubled(m: nn.Module, args: tuple) -> tuple:
+            ran.append(1)
+            return (args[0] * 2,)
+
+        key = RemovableHandle.next_id
+        model[0]._forward_pre_hooks[key] = doubled
+        ref = copy.deepcopy(model)
+        state = zfunc.init(model, zfunc.Config(stage=stage, units=["0"] if stage else None, persist_threshold=0))
+        x = torch.ones(2, 4)
+        losses = []
+        for _ in range(2):
+            state, loss = zfunc.backward_step(state, lambda m, x: m(x).sum(), x)
+            state = zfunc.apply_step(state)
+            losses.append(loss)
+        assert len(ran) == 2 and model[0]._forward_pre_hooks.get(key) is doubled, stage
+        assert torch.allclose(losses[0], ref(x).sum()), stage  # the hook's doubling in it
 
 
 def test_a_tensor_kept_from_a_donated_state_never_reads_the_next_one():

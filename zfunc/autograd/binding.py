@@ -18,7 +18,6 @@ inputs, running on one state's tensors.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import copy
 import threading
@@ -83,11 +82,12 @@ def _take_off(specs: list[tuple[torch.nn.Module, bool, Any, int]], ids: dict[tup
         if phase not in attached:
             continue
         key = ids[(phase, is_pre)]
-        if is_pre:
+        if is_pre and key in mod._forward_pre_hooks:  # (a hook table the user replaced meanwhile lacks it)
             del mod._forward_pre_hooks[key]
-        else:
+        elif not is_pre and key in mod._forward_hooks:
             del mod._forward_hooks[key]
-            del mod._forward_hooks_always_called[key]
+            if key in mod._forward_hooks_always_called:
+                del mod._forward_hooks_always_called[key]
     attached.clear()
 
 
@@ -146,9 +146,11 @@ class ModuleBinding(Routing, Recompute):
         # One hook id per phase and kind (pre or post), the same on every module: each module's
         # hook goes in under it (`attach`), so the blocks of a model compiled one by one trace
         # the same hook ids (Dynamo guards on them: an id per module would compile each block
-        # apart). Taken from torch's counter, so no other hook has it.
-        self._ids = {(phase, pre): RemovableHandle(collections.OrderedDict()).id
-                     for phase in (_CALL, _RECOMPUTE) for pre in (True, False)}
+        # apart). Negative, from this binding's own identity: torch's ids count up from 0 in each
+        # process (an unpickled module carries the ids of the process that made its hooks), and
+        # no live binding shares another's (a binding's hooks leave with it).
+        self._ids = {(phase, pre): -(4 * id(self) + 2 * phase + pre)
+                     for phase in (_CALL, _RECOMPUTE) for pre in (False, True)}
         weakref.finalize(self, _let_go, self._handles, self._specs, self._ids, self._attached)
         self.unit_order: list[int] = []  # stage 3: the units the last forward ran, in order
         self._members: list[Any] = []  # set by `route`
@@ -172,10 +174,6 @@ class ModuleBinding(Routing, Recompute):
                 parent, _, attr = name.rpartition(".")
                 self.entries.append((getattr(modules[parent], kind), attr, name))
         self._frames: list[Any] = []
-        # Each parameter entry's own tensor, by (id of its module's parameter dict, name there):
-        # what a covering swap finds in it at rest (`Recompute._at_rest`).
-        self._own = {(id(modules[n.rpartition(".")[0]]._parameters), n.rpartition(".")[2]): p
-                     for n, p in module.named_parameters(remove_duplicate=False)}
         # The threads running the module for a zfunc call now (a forward, or a recomputation in
         # backward), with their depth: torch puts a call's tensors in the module's own entries,
         # so one thread at a time (`occupied`).

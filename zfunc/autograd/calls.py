@@ -49,7 +49,10 @@ class InFlight:
     def __init__(self) -> None:
         self.calls = 0
         self.backwards = 0
-        self.covered = 0  # unit modules and covering modules running now (`zfunc.autograd.recompute.Recompute._run`)
+        # Unit modules and covering modules running now (`zfunc.autograd.recompute.Recompute._run`),
+        # and whether any (what compiled hooks read: one value whatever the count)
+        self.covered = 0
+        self.any_covered = False
         self._running: dict[int, list[Any]] = {}  # thread -> its calls, innermost last
         self._entered: dict[int, int] = {}  # graph task -> backwards through it
         self._threads: dict[int, set[int]] = {}  # graph task -> the threads its markers ran in (`enclosing`)

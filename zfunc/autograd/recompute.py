@@ -42,7 +42,6 @@ class Recompute:
     _unit_modules: list[tuple[int, torch.nn.Module, list[tuple[str, torch.nn.Module, str]]]]
     _running: dict[int, int]
     _runners: dict[int, dict[int, int]]
-    _own: dict[tuple[int, str], torch.Tensor]
     _above_some: set[int]
     stage: int
     _watch: set[weakref.ref]
@@ -75,7 +74,7 @@ class Recompute:
         # Both hooks return at once where nothing is to be done: in a forward, and while a module
         # around it in this thread covers what it would put in (``within``: its unit's module
         # runs, or a module above it put its subtree's in; `_run` counts them, and
-        # ``flight.covered`` all of them). Inside a compiled block that is all Dynamo traces of
+        # ``flight.any_covered`` whether any). Inside a compiled block that is all Dynamo traces of
         # them: there a module below another with hooks is asleep while any module runs covered
         # (the compiled block's own hooks, outside its compiled code, covered it, in the thread
         # that runs its graph), read without the module's own ``within`` (``nested`` is one value
@@ -97,7 +96,7 @@ class Recompute:
             nested = bool(within)
 
             def hook(mod: torch.nn.Module, args: Any) -> None:
-                if flight.backwards == 0 or nested and flight.covered and asleep(within):
+                if flight.backwards == 0 or nested and flight.any_covered and asleep(within):
                     return
                 b = me()
                 if b is not None:
@@ -108,7 +107,7 @@ class Recompute:
             nested = bool(within)
 
             def hook(mod: torch.nn.Module, args: Any, out: Any) -> None:
-                if flight.backwards == 0 or nested and flight.covered and asleep(within):
+                if flight.backwards == 0 or nested and flight.any_covered and asleep(within):
                     return
                 b = me()
                 if b is not None:
@@ -224,15 +223,18 @@ class Recompute:
     def _cover_out(self, mod: torch.nn.Module) -> None:
         me = threading.get_ident()
         stack = self._covering.get(me)
-        if not stack or stack[-1][0] != id(mod):
-            return
-        undo = stack.pop()[4]
+        if stack and stack[-1][0] == id(mod):
+            self._uncover(me, stack)
+
+    def _uncover(self, me: int, stack: list) -> None:
+        """Undo the innermost cover of thread ``me`` (its ``stack``)."""
+        key, undo = stack[-1][0], stack.pop()[4]
         if not stack:
             del self._covering[me]
         if undo is None:
             return
-        if id(mod) in self._above_some:
-            self._run(id(mod), -1)
+        if key in self._above_some:
+            self._run(key, -1)
         try:
             if type(undo) is tuple:  # a unit gathered again (stage 3)
                 undo[0].leave(undo[1])
@@ -246,11 +248,13 @@ class Recompute:
 
     def _at_rest(self, mod: torch.nn.Module, names: list[str], places: list[tuple[dict, str]],
                  views: dict[str, torch.Tensor]) -> None:
-        """Before a covering swap: the first parameter entry holds the module's own tensor, or
-        already this call's (a module the covered one calls that holds some of the same).
-        Anything else is another binding's: two states made by separate ``init`` calls on one
-        module, both differentiated by this backward, each covering the same modules (the first
-        entry of them is enough to tell), would each recompute on the other's tensors.
+        """Before a covering swap: the first parameter entry holds a parameter (``nn.Parameter``,
+        whatever object: the module's, one the engine or ``load_state_dict(assign=True)`` put
+        there), or already this call's tensor (a module the covered one calls that holds some of
+        the same). A plain tensor is another binding's swap: two states made by separate ``init``
+        calls on one module, both differentiated by this backward, each covering the same
+        modules (the first entry of them is enough to tell), would each recompute on the other's
+        tensors.
 
         Raises:
             RuntimeError: naming the cause and what to do instead.
@@ -259,7 +263,7 @@ class Recompute:
             return
         entries, attr = places[0]
         now = entries.get(attr)
-        if now is not views[names[0]] and now is not self._own.get((id(entries), attr)):
+        if now is not views[names[0]] and not isinstance(now, torch.nn.Parameter):
             raise RuntimeError(
                 f"activation checkpointing recomputes {type(mod).__name__} during backward, and {names[0]} holds "
                 "another zfunc state's tensor: two states made by separate zfunc.init calls on one module are "
@@ -287,7 +291,9 @@ class Recompute:
         else:
             self._running.pop(key, None)
             self._runners.pop(key, None)
-        self.flight.covered += step
+        flight = self.flight
+        flight.covered += step
+        flight.any_covered = flight.covered > 0
 
     def _source(self, task: int | None = None) -> Any:
         """The call whose backward is running now, for a forward recomputed in it: among the calls
@@ -330,6 +336,13 @@ class Recompute:
         recomputation belongs to is found afresh (`_source`)."""
         with self._users_lock:
             self._forget_source()
+        me = threading.get_ident()
+        stack = self._covering.get(me)
+        if stack and self.flight.backwards == 0:
+            # Left by a recomputation torch stopped past the post-hooks (a KeyboardInterrupt:
+            # torch runs them on an Exception only): undone before this backward recomputes.
+            while stack:
+                self._uncover(me, stack)
         self.attach(RECOMPUTE)
         if not self._members:  # (the engine checks its module's own gradients at step())
             self.reads.watch(graph_task())
