@@ -12,6 +12,7 @@ import torch
 
 import zfunc
 from tests.helpers import run_ranks
+from zfunc._probes import graph_task
 from tests.test_stage3 import Stack, _stack_loss
 
 
@@ -593,6 +594,68 @@ def test_a_recomputation_in_another_thread_is_not_covered_by_this_ones(ckpt):
         got_b, got_a = _paused(ckpt, stage, True)
         assert isinstance(got_b, RuntimeError) and "in another thread now" in str(got_b), (stage, got_b)
         assert torch.equal(got_a, alone_a), stage
+
+
+class _Interrupting(torch.nn.Module):
+    """A layer that raises ``KeyboardInterrupt`` once in a recomputation (``armed``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l, self.armed = torch.nn.Linear(4, 4), False
+
+    def forward(self, x):
+        if self.armed and graph_task() != -1:  # in a backward: the recomputation
+            self.armed = False
+            raise KeyboardInterrupt
+        return self.l(x)
+
+
+class _InterruptedBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn, self.mlp = torch.nn.Linear(4, 4), _Interrupting()
+
+    def forward(self, x):
+        return self.mlp(torch.tanh(torch.utils.checkpoint.checkpoint(self.attn, x, use_reentrant=False)))
+
+
+class _InterruptedNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre, self.blk, self.head = torch.nn.Linear(4, 4), _InterruptedBlock(), torch.nn.Linear(4, 1)
+
+    def forward(self, x, outer: bool):
+        h = self.pre(x)
+        h = torch.utils.checkpoint.checkpoint(self.blk, h, use_reentrant=False) if outer else self.blk(h)
+        return self.head(h)
+
+
+def _after_an_interrupt(stage: int, units: list, interrupt: bool) -> list[torch.Tensor]:
+    state = zfunc.init(_InterruptedNet(), zfunc.Config(stage=stage, units=units, persist_threshold=0,
+                                                        optimizer=zfunc.sgd(lr=0.5)))
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    loss = lambda outer: lambda m, x: m(x, outer).square().sum()  # noqa: E731
+    state = zfunc.apply_step(zfunc.backward_step(state, loss(False), x)[0])
+    if interrupt:
+        state.binding.module.blk.mlp.armed = True
+        with pytest.raises(KeyboardInterrupt):
+            zfunc.backward_step(state, loss(True), x)
+    for _ in range(3):  # the block's child recomputed with the block's module not around it
+        state = zfunc.apply_step(zfunc.backward_step(state, loss(False), x)[0])
+    return list(zfunc.full_params(state).values())
+
+
+def test_training_goes_on_exact_after_an_interrupted_recomputation():
+    """A ``KeyboardInterrupt`` inside a forward recomputed in backward (a notebook's interrupt):
+    torch runs the always-called post-hooks on an ``Exception`` only, so the unit's module was
+    left counted as running, and the next recomputation of its child slept and ran on the
+    module's own tensors (6.4 off after three steps at stage 3, for good). The next backward
+    through a call undoes what it left: training goes on as without the interrupt."""
+    for stage, units in ((1, ["blk"]), (3, ["blk"]), (3, ["blk", "blk.attn"])):
+        plain = _after_an_interrupt(stage, units, False)
+        after = _after_an_interrupt(stage, units, True)
+        assert all(torch.equal(a, b) for a, b in zip(plain, after)), (stage, units)
 
 
 class _TwoInits(torch.nn.Module):

@@ -362,8 +362,10 @@ class ModuleBinding(Routing, Recompute):
                 return
             b._run(i, 1)  # (the post-hook always runs)
             call = b._call()
-            if call is not None:
-                b.occupy()  # a recomputation in backward too (released by the post-hook, which always runs)
+            if call is not None and b.flight.current() is None:  # stage 3, recomputed in backward
+                b._enter_recomputed(mod, i, call, slots, below)
+            elif call is not None:
+                b.occupy()  # (released by the post-hook, which always runs)
                 call.enter(i, slots)
             elif b.stage != 3 and b._cover_in(mod, i, names, places, below, slots, ()):  # stages 1-2, recomputed
                 pass
@@ -381,7 +383,9 @@ class ModuleBinding(Routing, Recompute):
                 return
             b._run(i, -1)
             call = b._call()
-            if call is not None:
+            if call is not None and b.flight.current() is None:  # stage 3, recomputed: its cover's end
+                b._cover_out(mod)
+            elif call is not None:
                 try:
                     call.leave(i)
                 finally:

@@ -220,6 +220,18 @@ class Recompute:
             self._run(key, 1)  # the hooks below it are asleep
         return True
 
+    def _enter_recomputed(self, mod: torch.nn.Module, unit: int, call: Any, slots: list, below: frozenset) -> None:
+        """Stage 3: unit ``unit``'s module runs in a forward recomputed in backward: ``call``
+        gathers the unit again, as a cover of this thread (`_cover_out` ends it), so what a
+        recomputation torch stopped past the post-hooks leaves is found (`_reached`)."""
+        self.occupy()
+        try:
+            call.enter(unit, slots)
+        except BaseException:
+            self.release()
+            raise
+        self._covering.setdefault(threading.get_ident(), []).append((id(mod), unit, below, graph_task(), (call, unit)))
+
     def _cover_out(self, mod: torch.nn.Module) -> None:
         me = threading.get_ident()
         stack = self._covering.get(me)
@@ -277,9 +289,11 @@ class Recompute:
         compiled block's hooks read), ``_runners`` by thread too (an eager hook is asleep only
         under one running in its own thread). An entry that drops to 0 goes."""
         me = threading.get_ident()
-        threads = self._runners.setdefault(key, {})
-        if step < 0 and not threads.get(me):  # (forgotten when this thread's outermost call ended)
+        threads = self._runners.get(key)
+        if step < 0 and not (threads and threads.get(me)):  # (forgotten when this thread's outermost call ended)
             return
+        if threads is None:
+            threads = self._runners[key] = {}
         depth = self._running.get(key, 0) + step
         mine = threads.get(me, 0) + step
         if mine > 0:
@@ -337,12 +351,16 @@ class Recompute:
         with self._users_lock:
             self._forget_source()
         me = threading.get_ident()
-        stack = self._covering.get(me)
-        if stack and self.flight.backwards == 0:
-            # Left by a recomputation torch stopped past the post-hooks (a KeyboardInterrupt:
-            # torch runs them on an Exception only): undone before this backward recomputes.
+        if self.flight.backwards == 0 and self.flight.current() is None:
+            # What a recomputation torch stopped past the post-hooks left in this thread (a
+            # KeyboardInterrupt: torch runs them on an Exception only), undone before this
+            # backward recomputes: its covers, and its counts of the modules running.
+            stack = self._covering.get(me)
             while stack:
                 self._uncover(me, stack)
+            for key, threads in list(self._runners.items()):
+                if threads.get(me):
+                    self._run(key, -threads[me])
         self.attach(RECOMPUTE)
         if not self._members:  # (the engine checks its module's own gradients at step())
             self.reads.watch(graph_task())
