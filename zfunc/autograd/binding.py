@@ -411,9 +411,10 @@ class ModuleBinding(Routing, Recompute):
         me, flight = weakref.ref(self), self.flight
 
         def refuse(mod: torch.nn.Module, args: Any) -> None:
-            # Inside a zfunc call of this thread (the count first: a compiled block's hook traces it
-            # without a break); a call in another thread does not make a direct call here one
-            if flight.calls and (torch.compiler.is_compiling() or flight.current() is not None):
+            # Inside a zfunc call of this thread, or a recomputation in a backward through one (the
+            # counts first: a compiled block's hook traces them without a break); a call in another
+            # thread does not make a direct call here one
+            if (flight.calls or flight.backwards) and (torch.compiler.is_compiling() or flight.current() is not None):
                 return
             b = me()
             if b is not None:
