@@ -300,9 +300,7 @@ class ModuleBinding(Routing, Recompute):
             with self._users_lock:
                 self._users[me] = depth + 1  # what a unit's post-hook skipped, forgotten
                 if depth == 0:  # no unit's module runs in this thread once its outermost call is over
-                    for key, threads in list(self._runners.items()):
-                        if threads.get(me):
-                            self._run(key, -threads[me])
+                    self._forget_runs(me)
             self.release()
 
     def buckets(self, state: TrainState) -> tuple[Bucket, ...]:
@@ -361,14 +359,12 @@ class ModuleBinding(Routing, Recompute):
             if b is None:
                 return
             b._run(i, 1)  # (the post-hook always runs)
-            call = b._call()
-            if call is not None and b.flight.current() is None:  # stage 3, recomputed in backward
-                b._enter_recomputed(mod, i, call, slots, below)
-            elif call is not None:
+            call = b._call() if b.flight.current() is not None else None
+            if call is not None:  # a forward call
                 b.occupy()  # (released by the post-hook, which always runs)
                 call.enter(i, slots)
-            elif b.stage != 3 and b._cover_in(mod, i, names, places, below, slots, ()):  # stages 1-2, recomputed
-                pass
+            elif (b.stage != 3 or b.flight.backwards) and b._cover_in(mod, i, names, places, below, slots, ()):
+                pass  # recomputed in backward (at stage 3 a backward through this binding's calls)
             elif b.donated:
                 b._refuse()
 
@@ -382,10 +378,8 @@ class ModuleBinding(Routing, Recompute):
             if b is None:
                 return
             b._run(i, -1)
-            call = b._call()
-            if call is not None and b.flight.current() is None:  # stage 3, recomputed: its cover's end
-                b._cover_out(mod)
-            elif call is not None:
+            call = b._call() if b.flight.current() is not None else None
+            if call is not None:
                 try:
                     call.leave(i)
                 finally:

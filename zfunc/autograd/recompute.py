@@ -140,28 +140,29 @@ class Recompute:
         # its unit's covers first and is undone last)
         hooks: dict[int, tuple[torch.nn.Module, list, list]] = {}
         keys: set[int] = set()  # the covering modules some hook's ``within`` holds (by id)
-        hooked: set[int] = set()
+        hooked: set[int] = set()  # the modules with hooks of the kind being placed
+
+        def place(mod: torch.nn.Module, unit: int | None) -> tuple[tuple, list, list]:
+            """Where ``mod``'s hooks of the kind being placed go: what they are asleep under (its
+            unit's module, the modules above it with hooks of that kind), its pre- and post-hooks."""
+            ancestors = tuple(a for a in above[id(mod)] if a in hooked)
+            keys.update(ancestors)
+            hooked.add(id(mod))
+            _, pres, posts = hooks.setdefault(id(mod), (mod, [], []))
+            return (() if unit is None else (unit,)) + ancestors, pres, posts
+
         for mod, below in readers(self.module):
             mine = [slot for slot in slots if id(slot[1]) in below]
             bufs = [slot for slot in buffers if id(slot[1]) in below]
             if mine or bufs:
-                unit = inside.get(id(mod))
-                ancestors = tuple(a for a in above[id(mod)] if a in hooked)
-                within = (() if unit is None else (unit,)) + ancestors
-                keys.update(ancestors)
-                hooked.add(id(mod))
-                _, pres, posts = hooks.setdefault(id(mod), (mod, [], []))
+                within, pres, posts = place(mod, inside.get(id(mod)))
                 pres.append(pre(OUTSIDE, mine, below, within, bufs))
                 posts.append(post(within))
         for unit, top, unit_slots in self._unit_modules:
-            hooked = set()
+            hooked.clear()
             for mod, below in readers(top):
                 if mod is not top and any(id(slot[1]) in below for slot in unit_slots):
-                    ancestors = tuple(a for a in above[id(mod)] if a in hooked)
-                    within = (unit,) + ancestors
-                    keys.update(ancestors)
-                    hooked.add(id(mod))
-                    _, pres, posts = hooks.setdefault(id(mod), (mod, [], []))
+                    within, pres, posts = place(mod, unit)
                     pres.insert(0, pre(unit, unit_slots, below, within))
                     posts.append(post(within))
         self._above_some = keys  # (`_cover_in` counts only these: no hook reads another's count)
@@ -219,18 +220,6 @@ class Recompute:
         if key in self._above_some:
             self._run(key, 1)  # the hooks below it are asleep
         return True
-
-    def _enter_recomputed(self, mod: torch.nn.Module, unit: int, call: Any, slots: list, below: frozenset) -> None:
-        """Stage 3: unit ``unit``'s module runs in a forward recomputed in backward: ``call``
-        gathers the unit again, as a cover of this thread (`_cover_out` ends it), so what a
-        recomputation torch stopped past the post-hooks leaves is found (`_reached`)."""
-        self.occupy()
-        try:
-            call.enter(unit, slots)
-        except BaseException:
-            self.release()
-            raise
-        self._covering.setdefault(threading.get_ident(), []).append((id(mod), unit, below, graph_task(), (call, unit)))
 
     def _cover_out(self, mod: torch.nn.Module) -> None:
         me = threading.get_ident()
@@ -309,6 +298,12 @@ class Recompute:
         flight.covered += step
         flight.any_covered = flight.covered > 0
 
+    def _forget_runs(self, me: int) -> None:
+        """Thread ``me`` runs no unit's or covering module (`_run`) any more."""
+        for key, threads in list(self._runners.items()):
+            if threads.get(me):
+                self._run(key, -threads[me])
+
     def _source(self, task: int | None = None) -> Any:
         """The call whose backward is running now, for a forward recomputed in it: among the calls
         whose graph lives, the one this backward (or, for a reentrant segment's own backward, the
@@ -358,9 +353,7 @@ class Recompute:
             stack = self._covering.get(me)
             while stack:
                 self._uncover(me, stack)
-            for key, threads in list(self._runners.items()):
-                if threads.get(me):
-                    self._run(key, -threads[me])
+            self._forget_runs(me)
         self.attach(RECOMPUTE)
         if not self._members:  # (the engine checks its module's own gradients at step())
             self.reads.watch(graph_task())
