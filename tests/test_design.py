@@ -24,7 +24,7 @@ KINDS = {
     "context variable": r"ContextVar\s*\(",
     "finalizer": r"weakref\.finalize\s*\(",
     "weak reference": r"^\s+.*(Weak(Set|KeyDictionary|ValueDictionary)\s*\(|weakref\.ref\(\w+,\s*(lambda|functools))",
-    "tensor writer": r"\.data = |swap_tensors\(|entries\[key\] = |_forward_(pre_)?hooks(_always_called)?\[",
+    "tensor writer": r"\.data = |swap_tensors\(|entries\[key\] = |_forward_(pre_)?hooks(_always_called)?(\[|\.pop\()",
     "private read": r"torch\._C\._|torch\._functorch\.",
 }
 _MUTATE = r"\b{0}(\[[^\]]*\]\s*=(?!=)|\.(add|append|update|pop|clear|setdefault|discard|remove|extend)\()|del {0}\["
@@ -86,8 +86,9 @@ def test_the_scan_finds_each_kind():
         "finalizer": "    weakref.finalize(self, f)",
         "weak reference": "        self._pending = weakref.WeakSet()",
         "tensor writer": "            p.data = torch.empty(0)",
+        "tensor writer ": "            mod._forward_hooks.pop(key, None)",
         "private read": "    return torch._C._current_graph_task_id()",
     }
     for kind, line in sample.items():
-        assert re.search(KINDS[kind], line), kind
+        assert re.search(KINDS[kind.strip()], line), kind
     assert sum(n for (_, k), n in scan().items() if k.startswith("global ")) > 0

@@ -74,20 +74,19 @@ def _refuse_donated(module: torch.nn.Module) -> None:
         "weights with zfunc.full_params")
 
 
-def _take_off(specs: list[tuple[torch.nn.Module, bool, Any, int]], ids: dict[tuple[int, bool], int],
-              attached: set[int]) -> None:
+def _take_off(phases: dict[int, tuple[list, list]], ids: dict[tuple[int, bool], int], attached: set[int]) -> None:
     """Take the call hooks of the phases in ``attached`` off their modules (`ModuleBinding.attach`
-    put them there), and empty ``attached``."""
-    for mod, is_pre, _, phase in specs:
-        if phase not in attached:
-            continue
-        key = ids[(phase, is_pre)]
-        if is_pre and key in mod._forward_pre_hooks:  # (a hook table the user replaced meanwhile lacks it)
-            del mod._forward_pre_hooks[key]
-        elif not is_pre and key in mod._forward_hooks:
-            del mod._forward_hooks[key]
-            if key in mod._forward_hooks_always_called:
-                del mod._forward_hooks_always_called[key]
+    put them there), and empty ``attached``. (A hook table the user replaced meanwhile lacks
+    them.)"""
+    for phase in attached:
+        pres, posts = phases.get(phase) or ((), ())
+        key = ids[(phase, True)]
+        for mod, _ in pres:
+            mod._forward_pre_hooks.pop(key, None)
+        key = ids[(phase, False)]
+        for mod, _ in posts:
+            mod._forward_hooks.pop(key, None)
+            mod._forward_hooks_always_called.pop(key, None)
     attached.clear()
 
 
@@ -143,6 +142,7 @@ class ModuleBinding(Routing, Recompute):
         self._specs: list[tuple[torch.nn.Module, bool, Callable[..., Any], int]] = []  # (module, pre?, hook, phase)
         self._removed = False
         self._attached: set[int] = set()  # the phases on the module now
+        self._phases: dict[int, tuple[list, list]] = {}  # phase -> its ``(module, hook)`` pre-hooks, post-hooks
         # One hook id per phase and kind (pre or post), the same on every module: each module's
         # hook goes in under it (`attach`), so the blocks of a model compiled one by one trace
         # the same hook ids (Dynamo guards on them: an id per module would compile each block
@@ -151,7 +151,7 @@ class ModuleBinding(Routing, Recompute):
         # no live binding shares another's (a binding's hooks leave with it).
         self._ids = {(phase, pre): -(4 * id(self) + 2 * phase + pre)
                      for phase in (_CALL, _RECOMPUTE) for pre in (False, True)}
-        weakref.finalize(self, _let_go, self._handles, self._specs, self._ids, self._attached)
+        weakref.finalize(self, _let_go, self._handles, self._phases, self._ids, self._attached)
         self.unit_order: list[int] = []  # stage 3: the units the last forward ran, in order
         self._members: list[Any] = []  # set by `route`
         # The other names of a tied parameter or buffer, by its first name: a call passes the
@@ -213,9 +213,8 @@ class ModuleBinding(Routing, Recompute):
             self.gather_plan = plan_gathers(layout, [names for _, names in units])
             self._install_unit_hooks([(i, name, names) for i, (name, names) in enumerate(units)])
         self._install_recompute_hooks()
-        self._phases: dict[int, list[int]] = {}  # phase -> its hooks' places in `_specs`
-        for k, spec in enumerate(self._specs):
-            self._phases.setdefault(spec[3], []).append(k)
+        for mod, is_pre, hook, phase in self._specs:
+            self._phases.setdefault(phase, ([], []))[0 if is_pre else 1].append((mod, hook))
 
     def occupy(self) -> None:
         """This thread starts running the module for a zfunc call (nested calls in one thread
@@ -258,17 +257,17 @@ class ModuleBinding(Routing, Recompute):
         with self._users_lock:
             if phase in self._attached or self._removed:
                 return
+            pres, posts = self._phases.get(phase) or ((), ())
             self._attached.add(phase)
-            for k in self._phases.get(phase, ()):
-                mod, is_pre, hook, _ = self._specs[k]
-                key = self._ids[(phase, is_pre)]
-                if is_pre:  # before the user's own (a weight-norm hook reads the unit's parameters)
-                    mod._forward_pre_hooks[key] = hook
-                    if len(mod._forward_pre_hooks) > 1:
-                        mod._forward_pre_hooks.move_to_end(key, last=False)
-                else:  # after them, and run when the forward raised too (as always_call=True)
-                    mod._forward_hooks[key] = hook
-                    mod._forward_hooks_always_called[key] = True
+            key = self._ids[(phase, True)]
+            for mod, hook in pres:  # before the user's own (a weight-norm hook reads the unit's parameters)
+                mod._forward_pre_hooks[key] = hook
+                if len(mod._forward_pre_hooks) > 1:
+                    mod._forward_pre_hooks.move_to_end(key, last=False)
+            key = self._ids[(phase, False)]
+            for mod, hook in posts:  # after them, and run when the forward raised too (as always_call=True)
+                mod._forward_hooks[key] = hook
+                mod._forward_hooks_always_called[key] = True
 
     def _detach_if_idle(self) -> None:
         """Take the hooks off the module when no call runs and no call's graph lives (no
@@ -278,7 +277,7 @@ class ModuleBinding(Routing, Recompute):
         with self._users_lock:
             if self._users or self._watch or not self._attached:
                 return
-            _take_off(self._specs, self._ids, self._attached)
+            _take_off(self._phases, self._ids, self._attached)
 
     def _call_gone(self, ref: weakref.ref) -> None:
         with self._users_lock:
@@ -485,7 +484,7 @@ class ModuleBinding(Routing, Recompute):
         ``Config.units`` (a donated module stays empty)."""
         with self._users_lock:
             self._removed = True
-            _take_off(self._specs, self._ids, self._attached)
+            _take_off(self._phases, self._ids, self._attached)
         _remove(self._handles)
         self.unit_params = {}
         self._members = []

@@ -99,7 +99,11 @@ class Recompute:
                 if flight.backwards == 0 or nested and flight.any_covered and asleep(within):
                     return
                 b = me()
-                if b is not None:
+                if b is None:
+                    return
+                if torch.compiler.is_compiling():  # traced, and no module outside the compiled code covers it
+                    _refuse_compiled(b, mod)
+                else:
                     b._cover_in(mod, unit, names, places, below, slots, buffer_names)
             return hook
 
@@ -362,6 +366,22 @@ class Recompute:
         """(Under the lock.) `_source`'s kept answer may be stale: found afresh next time."""
         self._generation += 1
         self._last_source = None
+
+
+@torch.compiler.disable
+def _refuse_compiled(binding: Recompute, mod: torch.nn.Module) -> None:
+    """A recompute hook runs inside compiled code with no module outside it covering its
+    module: the module was compiled in place (``module.compile()``, whose hooks run inside its
+    compiled call) and activation checkpointing recomputes it. Putting the call's parameters in
+    from there would reach the compiled graph as a side effect after it ran; refused (outside a
+    recomputation: nothing to do). Run eagerly (a graph break), so the check is the eager one."""
+    if binding.flight.current() is None and graph_task() != -1:
+        raise RuntimeError(
+            f"activation checkpointing recomputes {type(mod).__name__}, which was compiled in place "
+            "(module.compile()): zfunc puts the call's parameters in with a hook on the module, and that hook runs "
+            "inside the module's compiled call, where it cannot. Compile it with torch.compile(module) and put the "
+            "result in its place (model.blocks[i] = torch.compile(block)), or name the module in Config.units "
+            "(stages 1-3), whose hooks also run in the forward")
 
 
 def _both(hooks: list) -> Any:
