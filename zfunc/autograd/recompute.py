@@ -381,7 +381,8 @@ def _refuse_compiled(binding: Recompute, mod: torch.nn.Module) -> None:
             "(module.compile()): zfunc puts the call's parameters in with a hook on the module, and that hook runs "
             "inside the module's compiled call, where it cannot. Compile it with torch.compile(module) and put the "
             "result in its place (model.blocks[i] = torch.compile(block)), or name the module in Config.units "
-            "(stages 1-3), whose hooks also run in the forward")
+            "(stages 1-3), whose hooks also run in the forward, with all of its parameters in its unit "
+            "(persist_threshold=0 at stage 3) and no buffers in it")
 
 
 def _both(hooks: list) -> Any:
