@@ -8,8 +8,8 @@ unit hooks, the recompute hooks and the engine's routing write ``Module._paramet
 order (`put_back`); meta init swaps scratch tensors in the same way while a module's
 ``reset_parameters`` draws, and puts the real ones in for good. A tensor that must keep its
 identity (an optimizer's groups, the user's references and ties hold it) gets other storage
-through `set_data` (donation, the engine's views of its state, ``GatheredParameters``,
-``destroy()``) or, for a meta tensor that cannot take another device's data, `swap_tensor`.
+through `set_data` (donation, a donated state's tensors emptied, the engine's views of its
+state, ``GatheredParameters``, ``destroy()``) or, for a meta tensor that cannot take another device's data, `swap_tensor`.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
+from zfunc.autograd.swap import set_data
+
 if TYPE_CHECKING:
     from zfunc.core.state import TrainState
 
@@ -97,9 +99,7 @@ def donate_(state: TrainState, by: str, new: TrainState | None = None,
         mine = {id(t) for t in old}
         new = tree.map(lambda t: t.detach() if isinstance(t, torch.Tensor) and id(t) in mine else t, new)
         reused = {_memory(t) for t in (*tree.leaves(new), *kept) if isinstance(t, torch.Tensor)}
-        for t in old:
-            if _memory(t) in reused:
-                t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+        set_data([(t, torch.empty(0, dtype=t.dtype, device=t.device)) for t in old if _memory(t) in reused])
     for f in dataclasses.fields(state):
         if f.metadata.get("pytree_node", True):
             object.__setattr__(state, f.name, Donated(by, f.name))
