@@ -60,7 +60,9 @@ class Recompute:
         subtree in place (`_cover_in`) until it returns; the hooks of the modules below it are
         asleep meanwhile, in its thread. A compiled module (``torch.compile``'s wrapper, whose
         forward is its own attribute) is such a module: its hooks, outside its compiled code,
-        cover what the traced hooks inside would. Likewise each module with a forward inside a unit's module (a
+        cover what the traced hooks inside would. A module compiled in place (``module.compile()``)
+        has its hooks inside its compiled call: a recomputation that needs them to put tensors in
+        there is refused (`_refuse_compiled`). Likewise each module with a forward inside a unit's module (a
         block's attention or MLP, checkpointed on its own) puts in its unit's parameters, gathered
         again at stage 3, unless the unit's module runs around it. A read outside the forward of
         every module whose subtree holds the parameter (``h @ emb.weight.T`` in the checkpointed
