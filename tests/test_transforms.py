@@ -196,8 +196,45 @@ def test_a_checkpointed_block_compiled_in_place_is_refused_where_zfunc_cannot_co
     micro-batch of 8 rows, 8 features), gradients 5.3e-2 off, silently.)"""
     for stage, units, norm, rows in ((0, False, nn.LayerNorm, 4), (0, False, nn.LayerNorm, 16), (2, False, nn.LayerNorm, 16),
                                      (3, True, nn.BatchNorm1d, 16)):
-        with pytest.raises(WorldError, match=r"recomputes _Block, which was compiled in place \(module.compile\(\)\)"):
+        with pytest.raises(WorldError, match=r"recomputes _Block inside compiled code: it was compiled in place"):
             run_ranks(_compiled_in_place, 1, stage, True, ckpt, units, norm, rows)
+
+
+def _compiled_after_init(rank: int, stage: int, compiled: bool, ckpt: str | None) -> tuple[dict, list[str]]:
+    """Three steps of `_Blocks` whose blocks are put in place as ``torch.compile(block)`` after
+    `zfunc.init` (or left eager): `zfunc.full_params`, and the names `zfunc.iter_full_params`
+    gives."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = _Blocks(ckpt, 2)
+    units = ["blocks.0", "blocks.1"] if stage == 3 else None
+    state = zfunc.init(model, zfunc.Config(stage=stage, units=units, persist_threshold=0, grad_accum=2,
+                                           optimizer=zfunc.adamw(lr=1e-2)))
+    if compiled:
+        for i, b in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(b, backend="aot_eager")
+    step = zfunc.train_step(lambda m, x: m(x).pow(2).mean())
+    for i in range(3):
+        state = step(state, torch.randn(4, 3, generator=torch.Generator().manual_seed(10 * i + rank)))
+    return zfunc.full_params(state), [n for n, _ in zfunc.iter_full_params(state)]
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_blocks_compiled_after_init_keep_their_parameter_names(stage):
+    """A block put in place as ``torch.compile(block)`` after `zfunc.init` renames its parameters
+    in the model (``blocks.0._orig_mod.0.weight``): `zfunc.full_params` and
+    `zfunc.iter_full_params` give every parameter under the name it had at `init`, as eager
+    training does (before, the blocks' were dropped, silently, and `iter_full_params` raised a
+    bare ``KeyError``). Under checkpointing at stage 0 the recomputation is refused, naming
+    compilation after `init` (the wrapper has none of zfunc's hooks)."""
+    [(eager, eager_names)] = run_ranks(_compiled_after_init, 1, stage, False, None)
+    [(full, names)] = run_ranks(_compiled_after_init, 1, stage, True, None)
+    assert list(full) == list(eager) and names == eager_names and sorted(names) == sorted(full) and len(names) == 12, names
+    assert max((full[n] - eager[n]).abs().max().item() for n in eager) <= 1e-6
+    if stage == 0:
+        with pytest.raises(WorldError, match=r"or compiled with torch.compile after zfunc.init"):
+            run_ranks(_compiled_after_init, 1, stage, True, "nonreentrant")
 
 
 @pytest.mark.parametrize("ckpt", ["reentrant", "nonreentrant"])

@@ -374,17 +374,19 @@ class Recompute:
 def _refuse_compiled(binding: Recompute, mod: torch.nn.Module) -> None:
     """A recompute hook runs inside compiled code with no module outside it covering its
     module: the module was compiled in place (``module.compile()``, whose hooks run inside its
-    compiled call) and activation checkpointing recomputes it. Putting the call's parameters in
+    compiled call), or its ``torch.compile`` wrapper was put in its place after `zfunc.init` (the
+    wrapper has no hooks of zfunc's), and activation checkpointing recomputes it. Putting the call's parameters in
     from there would reach the compiled graph as a side effect after it ran; refused (outside a
     recomputation: nothing to do). Run eagerly (a graph break), so the check is the eager one."""
     if binding.flight.current() is None and graph_task() != -1:
         raise RuntimeError(
-            f"activation checkpointing recomputes {type(mod).__name__}, which was compiled in place "
-            "(module.compile()): zfunc puts the call's parameters in with a hook on the module, and that hook runs "
-            "inside the module's compiled call, where it cannot. Compile it with torch.compile(module) and put the "
-            "result in its place (model.blocks[i] = torch.compile(block)), or name the module in Config.units "
-            "(stages 1-3), whose hooks also run in the forward, with all of its parameters in its unit "
-            "(persist_threshold=0 at stage 3) and no buffers in it")
+            f"activation checkpointing recomputes {type(mod).__name__} inside compiled code: it was compiled in "
+            "place (module.compile()), or compiled with torch.compile after zfunc.init (zfunc's hooks are on the "
+            "module inside the compiled wrapper). zfunc puts the call's parameters in with a hook on the module, and "
+            "that hook runs inside the compiled call, where it cannot. Compile it with torch.compile(module) and put "
+            "the result in its place (model.blocks[i] = torch.compile(block)) before zfunc.init, or name the module "
+            "in Config.units (stages 1-3), whose hooks also run in the forward, with all of its parameters in its "
+            "unit (persist_threshold=0 at stage 3) and no buffers in it")
 
 
 def _both(hooks: list) -> Any:

@@ -451,7 +451,8 @@ def full_params(state: TrainState) -> dict[str, torch.Tensor]:
     """Every trainable parameter, full and in the master dtype, by name.
 
     Names and order are those of ``model.named_parameters()`` (a tied weight appears once; frozen
-    parameters are left out). At stages 1-3
+    parameters are left out), as the model had them at `init` (a module replaced since, such as
+    ``torch.compile(block)`` put in a block's place, keeps its parameters' names). At stages 1-3
     this gathers the shards (a collective: call it on every rank).
 
     Examples:
@@ -477,4 +478,14 @@ def gather_by_name(state: TrainState, t: torch.Tensor) -> dict[str, torch.Tensor
             # gathers device tensors only
             flat = comm.all_gather(lay.arena_slice(t, unit).to(state.device), state.mesh.shard)
         out.update({k: v.clone() for k, v in lay.views(unit, flat).items()})
-    return {n: out[n] for n, _ in state.module.named_parameters() if n in out}  # the model's order
+    return {n: out[n] for n in sorted(out, key=model_order(state))}
+
+
+def model_order(state: TrainState) -> Callable[[str], int]:
+    """A sort key for parameter names: their place in ``model.named_parameters()`` as the model
+    was at `init` (the binding's entries): a module replaced since (``torch.compile(block)`` put
+    in a block's place renames its parameters) changes neither the names nor their order."""
+    order: dict[str, int] = {}
+    for _, _, name in state.binding.entries:
+        order.setdefault(name, len(order))
+    return order.__getitem__

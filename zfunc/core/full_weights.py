@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import torch
 
 from zfunc.autograd.forward_gather import settle
+from zfunc.core.create import model_order
 from zfunc.core.donation import check_live
 from zfunc.core.state import TrainState
 from zfunc.distributed import comm
@@ -34,7 +35,7 @@ def iter_full_params(state: TrainState, dtype: torch.dtype | None = None,
 
     The trainable parameters come unit by unit (each unit's in the model's order), then the
     frozen ones; names are those of ``model.named_parameters()`` (a tied weight once, under its
-    first name). Buffers are not parameters: `zfunc.TrainState.buffers` holds them whole on every
+    first name) at `zfunc.init` (`zfunc.full_params`). Buffers are not parameters: `zfunc.TrainState.buffers` holds them whole on every
     rank. Each tensor yielded is new, with storage of its own: a loop that lets go of them holds
     about one unit at a time (plus this rank's shard in ``dtype``), where `zfunc.full_params`
     holds the whole model. A loop that may stop early on some rank should close the iterator
@@ -87,7 +88,7 @@ def _stream(state: TrainState, dtype: torch.dtype | None, dst: int | None
     lay, world = state.layout, state.mesh.world
     out_dtype = dtype or state.compute.dtype
     receive = dst is None or dst == world.rank
-    order = {n: i for i, (n, _) in enumerate(state.module.named_parameters())}
+    order = model_order(state)
     masters = dtype is not None and dtype != state.compute.dtype  # cast from the masters
     src = state.params if masters else state.compute
     gathers, to = _gather_target(state, dst)
@@ -103,7 +104,7 @@ def _stream(state: TrainState, dtype: torch.dtype | None, dst: int | None
             if whole is not None:  # every rank holds the unit already: a copy per parameter
                 if receive:
                     views = lay.views(unit, whole.narrow(0, lay.full_starts[i], unit.padded))
-                    for name in sorted(views, key=order.__getitem__):
+                    for name in sorted(views, key=order):
                         yield name, views.pop(name).to(state.device, out_dtype, copy=True)
                 continue
             if not gathers:  # another shard group gathers to dst
@@ -113,7 +114,7 @@ def _stream(state: TrainState, dtype: torch.dtype | None, dst: int | None
             if parts is not None:
                 views = {s.name: p.view(s.shape) for s, p in zip(unit.slots, parts)}
                 del parts
-                for name in sorted(views, key=order.__getitem__):
+                for name in sorted(views, key=order):
                     yield name, views.pop(name)
         _agree(state, sign, n, _DONE)
         at = -1
@@ -122,7 +123,7 @@ def _stream(state: TrainState, dtype: torch.dtype | None, dst: int | None
             _agree(state, sign, at, _STOP)
         raise
     if receive:
-        for name in sorted(state.frozen, key=order.__getitem__):
+        for name in sorted(state.frozen, key=order):
             yield name, state.frozen[name].to(out_dtype, copy=True)
 
 
