@@ -173,5 +173,10 @@ def test_a_donated_module_is_freed_and_guarded():
 def test_units_errors():
     with pytest.raises(zfunc.ConfigError, match=r"units: \['nope'\] are not module names"):
         zfunc.init(Stack(2), zfunc.Config(stage=3, units=["nope"]))
+    # the whole model compiled: its modules are under _orig_mod (as here), and the error says so
+    compiled = nn.Module()
+    compiled._orig_mod = Stack(2)
+    with pytest.raises(zfunc.ConfigError, match=r"the model has \['_orig_mod.blocks.0'\] \(torch.compile\(model\) holds"):
+        zfunc.init(compiled, zfunc.Config(stage=3, units=["blocks.0"]))
     with pytest.raises(zfunc.ConfigError, match="units: expected None or a list"):
         zfunc.Config(stage=3, units="blocks")

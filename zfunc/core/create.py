@@ -118,9 +118,13 @@ def units_of(model: torch.nn.Module, cfg: Config,
     if cfg.stage < 3:
         return [[(n, tuple(p.shape), group_of[n]) for n, p in trainable.items()]], ["model"]
     wanted = cfg.units if cfg.units is not None else _default_units(model)
-    unknown = [u for u in wanted if isinstance(u, str) and u not in dict(model.named_modules())]
+    modules = dict(model.named_modules())
+    unknown = [u for u in wanted if isinstance(u, str) and u not in modules]
     if unknown:
-        raise ConfigError(f"units: {unknown} are not module names of the model")
+        near = sorted(m for u in unknown for m in modules if m.endswith("." + u))
+        raise ConfigError(f"units: {unknown} are not module names of the model" + (
+            f"; the model has {near[:3]} (torch.compile(model) holds the model as _orig_mod: name its modules "
+            "with that prefix, or the unit modules by class)" if near else ""))
     owner: dict[int, set[str]] = {}
     unit_names: list[str] = []
     for mname, mod in model.named_modules():
