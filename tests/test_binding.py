@@ -107,6 +107,52 @@ def test_batchnorm_statistics_match_torch():
     assert torch.equal(model.blocks[0][1].running_mean, torch.zeros(6))  # the module is untouched
 
 
+class _ScaledEMA(nn.Module):
+    """A buffer multiplied in (saved for backward), then another updated in place in the same
+    forward (an EMA of the activations): the buffers must not share a version counter."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(5, 6)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 6))
+        self.register_buffer("ema", torch.zeros(6))
+
+    def forward(self, x):
+        h = self.lin(x) * self.scale
+        self.ema.mul_(0.9).add_(h.detach().mean(0), alpha=0.1)
+        return h.sum(1)
+
+
+def _scaled_ema(rank: int, stage: int) -> float:
+    world = zfunc.comm.world().size
+    state = zfunc.init(_ScaledEMA(), zfunc.Config(stage=stage, optimizer=zfunc.adamw(lr=1e-2)))
+    ref = _ScaledEMA()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    step = zfunc.train_step(lambda m, x: m(x).pow(2).mean())
+    data = lambda i, r: torch.randn(4, 5, generator=torch.Generator().manual_seed(10 * i + r))  # noqa: E731
+    for i in range(3):
+        state = step(state, data(i, rank))
+        opt.zero_grad()
+        for r in range(world):
+            (ref(data(i, r)).pow(2).mean() / world).backward()
+        opt.step()
+    full = zfunc.full_params(state)
+    return max((full[n] - p).abs().max().item() for n, p in ref.named_parameters())
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_buffer_saved_for_backward_beside_one_updated_in_place_trains_on_two_ranks(stage):
+    """At world 2 each step gives every rank rank 0's buffers, broadcast as one flat tensor per
+    dtype. Views of it shared one version counter, so from the second step an in-place update
+    of one buffer in forward (an EMA; BatchNorm's statistics in a compiled block) failed the
+    backward of the multiplication that saved the other ("modified by an inplace operation").
+    Each buffer has memory of its own now; the weights match plain torch averaged over the two
+    ranks' batches."""
+    for diff in run_ranks(_scaled_ema, 2, stage):
+        assert diff <= 2e-6, diff
+
+
 # -- pullbacks -----------------------------------------------------------------------------
 
 def test_pullback_calls_are_independent_or_refused():

@@ -324,7 +324,10 @@ def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
 
 
 def _rank0_buffers(state: TrainState) -> dict[str, torch.Tensor]:
-    """Rank 0's buffers on every rank: one broadcast per dtype (new tensors; the input is kept)."""
+    """Rank 0's buffers on every rank: one broadcast per dtype (new tensors; the input is kept),
+    each buffer then in memory of its own: views of the one broadcast would share a version
+    counter, so a forward updating one in place (BatchNorm's statistics) would fail the backward
+    of an op that saved another (a buffer multiplied in, a checkpointed region's inputs)."""
     if state.group.size == 1 or not state.buffers:
         return state.buffers
     by_dtype: dict[torch.dtype, list[str]] = {}
@@ -335,5 +338,5 @@ def _rank0_buffers(state: TrainState) -> dict[str, torch.Tensor]:
         flat = torch.cat([state.buffers[n].reshape(-1) for n in names])
         flat = comm.broadcast(flat, 0, state.group)
         parts = torch.split(flat, [state.buffers[n].numel() for n in names])
-        out.update({n: p.view(state.buffers[n].shape) for n, p in zip(names, parts)})
+        out.update({n: p.view(state.buffers[n].shape).clone() for n, p in zip(names, parts)})
     return {n: out[n] for n in state.buffers}
