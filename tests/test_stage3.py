@@ -171,8 +171,10 @@ def test_a_donated_module_is_freed_and_guarded():
 
 
 def test_units_errors():
-    with pytest.raises(zfunc.ConfigError, match=r"units: \['nope'\] are not module names"):
+    with pytest.raises(zfunc.ConfigError, match=r"units: \['nope'\] are not module names of the model$"):
         zfunc.init(Stack(2), zfunc.Config(stage=3, units=["nope"]))
+    with pytest.raises(zfunc.ConfigError, match=r"units: \['0'\] are not module names of the model$"):  # no hint
+        zfunc.init(Stack(2), zfunc.Config(stage=3, units=["0"]))
     # the whole model compiled: its modules are under _orig_mod (as here), and the error says so
     compiled = nn.Module()
     compiled._orig_mod = Stack(2)

@@ -121,7 +121,7 @@ def units_of(model: torch.nn.Module, cfg: Config,
     modules = dict(model.named_modules())
     unknown = [u for u in wanted if isinstance(u, str) and u not in modules]
     if unknown:
-        near = sorted(m for u in unknown for m in modules if m.endswith("." + u))
+        near = sorted(f"_orig_mod.{u}" for u in unknown if f"_orig_mod.{u}" in modules)
         raise ConfigError(f"units: {unknown} are not module names of the model" + (
             f"; the model has {near[:3]} (torch.compile(model) holds the model as _orig_mod: name its modules "
             "with that prefix, or the unit modules by class)" if near else ""))
