@@ -217,7 +217,14 @@ def _compiled_after_init(rank: int, stage: int, compiled: bool, ckpt: str | None
     step = zfunc.train_step(lambda m, x: m(x).pow(2).mean())
     for i in range(3):
         state = step(state, torch.randn(4, 3, generator=torch.Generator().manual_seed(10 * i + rank)))
-    return zfunc.full_params(state), [n for n, _ in zfunc.iter_full_params(state)]
+    import pickle
+
+    try:  # a pickled state carries the module as code: the code's names must be the state's
+        pickle.dumps(state)
+        refused = ""
+    except RuntimeError as e:
+        refused = str(e)
+    return zfunc.full_params(state), [n for n, _ in zfunc.iter_full_params(state)], refused
 
 
 @pytest.mark.parametrize("stage", [0, 3])
@@ -226,10 +233,12 @@ def test_blocks_compiled_after_init_keep_their_parameter_names(stage):
     in the model (``blocks.0._orig_mod.0.weight``): `zfunc.full_params` and
     `zfunc.iter_full_params` give every parameter under the name it had at `init`, as eager
     training does (before, the blocks' were dropped, silently, and `iter_full_params` raised a
-    bare ``KeyError``). Under checkpointing at stage 0 the recomputation is refused, naming
-    compilation after `init` (the wrapper has none of zfunc's hooks)."""
-    [(eager, eager_names)] = run_ranks(_compiled_after_init, 1, stage, False, None)
-    [(full, names)] = run_ranks(_compiled_after_init, 1, stage, True, None)
+    bare ``KeyError``). Pickling the state is refused, naming the cause (it wrote a pickle that
+    failed to load, a ``KeyError``). Under checkpointing at stage 0 the recomputation is refused,
+    naming compilation after `init` (the wrapper has none of zfunc's hooks)."""
+    [(eager, eager_names, kept)] = run_ranks(_compiled_after_init, 1, stage, False, None)
+    [(full, names, refused)] = run_ranks(_compiled_after_init, 1, stage, True, None)
+    assert kept == "" and "have other names now than at zfunc.init" in refused, (kept, refused)
     assert list(full) == list(eager) and names == eager_names and sorted(names) == sorted(full) and len(names) == 12, names
     assert max((full[n] - eager[n]).abs().max().item() for n in eager) <= 1e-6
     if stage == 0:

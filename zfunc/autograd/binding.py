@@ -441,6 +441,10 @@ class ModuleBinding(Routing, Recompute):
         trained parameter of its slot's shape, donated or not), tied ones still tied; zfunc's
         hooks left out. What a pickled state carries: never the weights, which are the state's.
 
+        Raises:
+            RuntimeError: a trained parameter's name at `zfunc.init` is not one the module has
+                now (a module replaced since).
+
         Examples:
             >>> import torch, zfunc
             >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2))
@@ -450,8 +454,17 @@ class ModuleBinding(Routing, Recompute):
             (device(type='meta'), torch.Size([2, 2]), 0)
         """
         shapes = {s.name: s.shape for u in self.layout.units for s in u.slots}
+        named = dict(self.module.named_parameters())
+        gone = [n for n in shapes if n not in named]
+        if gone:  # the code would not rebuild this state's layout: refused before anything is written
+            raise RuntimeError(
+                f"the model's parameters {gone[:3]}{' and more' if len(gone) > 3 else ''} have other names now than "
+                "at zfunc.init: a module was replaced since (torch.compile(block) put in a block's place wraps it "
+                "as _orig_mod), so the module cannot be pickled as this state's code. Replace or compile the "
+                "modules before zfunc.init; to keep the weights now, zfunc.save the state or take "
+                "zfunc.full_params")
         memo: dict[int, Any] = {}
-        for name, p in self.module.named_parameters():
+        for name, p in named.items():
             like = torch.empty(shapes.get(name, p.shape), dtype=p.dtype, device="meta")
             memo[id(p)] = torch.nn.Parameter(like, requires_grad=p.requires_grad)
         for b in self.module.buffers():
