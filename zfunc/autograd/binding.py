@@ -339,13 +339,10 @@ class ModuleBinding(Routing, Recompute):
             self._unit_modules.append((i, mod, slots))
 
     def _call(self) -> UnitGatherer | UnitViews | None:
-        """The units of the call of this binding that a unit module running now belongs to."""
+        """The units of this thread's zfunc call running now, if it is one of this binding's (a
+        forward; a recomputation in backward goes through `_cover_in`)."""
         call = self.flight.current()
-        if call is not None:
-            return call.units if call.state.binding is self else None
-        if self.stage == 3 and _in_backward() and self.flight.backwards:  # (a backward through another's calls: not ours)
-            return self._source()
-        return None
+        return call.units if call is not None and call.state.binding is self else None
 
     def _enter_hook(self, i: int, slots: list, unit_module: torch.nn.Module) -> Any:
         me = weakref.ref(self)
@@ -358,7 +355,7 @@ class ModuleBinding(Routing, Recompute):
             if b is None:
                 return
             b._run(i, 1)  # (the post-hook always runs)
-            call = b._call() if b.flight.current() is not None else None
+            call = b._call()
             if call is not None:  # a forward call
                 b.occupy()  # (released by the post-hook, which always runs)
                 call.enter(i, slots)
@@ -377,7 +374,7 @@ class ModuleBinding(Routing, Recompute):
             if b is None:
                 return
             b._run(i, -1)
-            call = b._call() if b.flight.current() is not None else None
+            call = b._call()
             if call is not None:
                 try:
                     call.leave(i)

@@ -62,8 +62,8 @@ class Recompute:
         forward is its own attribute) is such a module: its hooks, outside its compiled code,
         cover what the traced hooks inside would. A module compiled in place (``module.compile()``)
         has its hooks inside its compiled call: a recomputation that needs them to put tensors in
-        there is refused (`_refuse_compiled`). Likewise each module with a forward inside a unit's module (a
-        block's attention or MLP, checkpointed on its own) puts in its unit's parameters, gathered
+        there is refused (`_refuse_compiled`). Likewise each module with a forward inside a unit's
+        module (a block's attention or MLP, checkpointed on its own) puts in its unit's parameters, gathered
         again at stage 3, unless the unit's module runs around it. A read outside the forward of
         every module whose subtree holds the parameter (``h @ emb.weight.T`` in the checkpointed
         function itself) is not covered (`zfunc.autograd.direct_reads` refuses it under reentrant
@@ -375,9 +375,9 @@ def _refuse_compiled(binding: Recompute, mod: torch.nn.Module) -> None:
     """A recompute hook runs inside compiled code with no module outside it covering its
     module: the module was compiled in place (``module.compile()``, whose hooks run inside its
     compiled call), or its ``torch.compile`` wrapper was put in its place after `zfunc.init` (the
-    wrapper has no hooks of zfunc's), and activation checkpointing recomputes it. Putting the call's parameters in
-    from there would reach the compiled graph as a side effect after it ran; refused (outside a
-    recomputation: nothing to do). Run eagerly (a graph break), so the check is the eager one."""
+    wrapper has no hooks of zfunc's), and activation checkpointing recomputes it. The call's
+    parameters cannot be put in from there, so the recomputation is refused (outside one: nothing
+    to do). Run eagerly (a graph break), so the check is the eager one."""
     if binding.flight.current() is None and graph_task() != -1:
         raise RuntimeError(
             f"activation checkpointing recomputes {type(mod).__name__} inside compiled code: it was compiled in "

@@ -35,8 +35,8 @@ def iter_full_params(state: TrainState, dtype: torch.dtype | None = None,
 
     The trainable parameters come unit by unit (each unit's in the model's order), then the
     frozen ones; names are those of ``model.named_parameters()`` (a tied weight once, under its
-    first name) at `zfunc.init` (`zfunc.full_params`). Buffers are not parameters: `zfunc.TrainState.buffers` holds them whole on every
-    rank. Each tensor yielded is new, with storage of its own: a loop that lets go of them holds
+    first name) at `zfunc.init` (`zfunc.full_params`). Buffers are not parameters:
+    `zfunc.TrainState.buffers` holds them whole on every rank. Each tensor yielded is new, with storage of its own: a loop that lets go of them holds
     about one unit at a time (plus this rank's shard in ``dtype``), where `zfunc.full_params`
     holds the whole model. A loop that may stop early on some rank should close the iterator
     (``contextlib.closing``, or ``close()`` in its error handler) before its next collective:
