@@ -144,11 +144,10 @@ def _scaled_ema(rank: int, stage: int) -> float:
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_a_buffer_saved_for_backward_beside_one_updated_in_place_trains_on_two_ranks(stage):
     """At world 2 each step gives every rank rank 0's buffers, broadcast as one flat tensor per
-    dtype. Views of it shared one version counter, so from the second step an in-place update
-    of one buffer in forward (an EMA; a train-mode BatchNorm's statistics inside a checkpointed
-    part of a compiled block) failed the backward of the multiplication that saved the other
-    ("modified by an inplace operation"). Each buffer has memory of its own now; the weights
-    match plain torch averaged over the two ranks' batches."""
+    dtype, each then in memory of its own: an in-place update of one buffer in forward (an EMA;
+    a train-mode BatchNorm's statistics inside a checkpointed part of a compiled block) leaves
+    the version of another that the multiplication saved alone, from the second step on too.
+    The weights match plain torch averaged over the two ranks' batches."""
     for diff in run_ranks(_scaled_ema, 2, stage):
         assert diff <= 2e-6, diff
 

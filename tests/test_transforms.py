@@ -191,9 +191,9 @@ def test_a_checkpointed_block_compiled_in_place_is_refused_where_zfunc_cannot_co
     """A block compiled in place and recomputed by activation checkpointing, where its own
     recompute hook would have to put tensors in (not a unit at stages 0-2; a unit holding buffers
     at stage 3, a BatchNorm's): that hook runs inside the compiled call, so the recomputation is
-    refused with an error naming the fix. (Before, at stage 0 the recomputation ran on the
-    module's own tensors: a misleading error, or, where the saved tensors' shapes coincide (a
-    micro-batch of 8 rows, 8 features), gradients 5.3e-2 off, silently.)"""
+    refused with an error naming the fix, also where the saved tensors' shapes coincide (a
+    micro-batch of 8 rows, 8 features), where running on the module's own tensors would go
+    unnoticed by checkpointing's metadata check."""
     for stage, units, norm, rows in ((0, False, nn.LayerNorm, 4), (0, False, nn.LayerNorm, 16), (2, False, nn.LayerNorm, 16),
                                      (3, True, nn.BatchNorm1d, 16)):
         with pytest.raises(WorldError, match=r"recomputes _Block inside compiled code: it was compiled in place"):
@@ -232,10 +232,9 @@ def test_blocks_compiled_after_init_keep_their_parameter_names(stage):
     """A block put in place as ``torch.compile(block)`` after `zfunc.init` renames its parameters
     in the model (``blocks.0._orig_mod.0.weight``): `zfunc.full_params` and
     `zfunc.iter_full_params` give every parameter under the name it had at `init`, as eager
-    training does (before, the blocks' were dropped, silently, and `iter_full_params` raised a
-    bare ``KeyError``). Pickling the state is refused, naming the cause (it wrote a pickle that
-    failed to load, a ``KeyError``). Under checkpointing at stage 0 the recomputation is refused,
-    naming compilation after `init` (the wrapper has none of zfunc's hooks)."""
+    training does. Pickling the state is refused, naming the cause (the module as code has other
+    names than the state's). Under checkpointing at stage 0 the recomputation is refused, naming
+    compilation after `init` (the wrapper has none of zfunc's hooks)."""
     [(eager, eager_names, kept)] = run_ranks(_compiled_after_init, 1, stage, False, None)
     [(full, names, refused)] = run_ranks(_compiled_after_init, 1, stage, True, None)
     assert kept == "" and "have other names now than at zfunc.init" in refused, (kept, refused)
@@ -270,10 +269,9 @@ def test_compiled_blocks_under_checkpointing_with_small_parameters_in_the_root(c
     """At stage 3 the parameters under ``persist_threshold`` stay in the root unit, inside the
     compiled, checkpointed blocks: some (a block's biases and BatchNorm's, 20), or every one (the
     default: no unit but the root). The compiled block's recompute hooks, outside its compiled
-    code, put them in; those of the layers inside it, traced, are asleep. (Before: the compiled
-    block was passed over as a module without a forward of its own, so the recomputation ran on
-    the module's own tensors (refused under reentrant checkpointing, a metadata error under
-    non-reentrant) or traced the layers' hooks (Dynamo refused ``threading.get_ident``).)"""
+    code, put them in; those of the layers inside it, traced, are asleep (a compiled wrapper
+    counts as a module with a forward of its own, and no layer's hook traces
+    ``threading.get_ident``)."""
     for persist in (20, None):
         eager = run_ranks(_compiled, 1, 3, "eager", False, False, ckpt, persist)
         for a, b in zip(eager, run_ranks(_compiled, 1, 3, "blocks", False, False, ckpt, persist)):
