@@ -177,12 +177,15 @@ def test_blocks_compiled_in_place_train_like_eager(stage):
     break where a unit is gathered; under checkpointing with each block a unit (stages 1-3: its
     unit hooks, there in the forward too, put the call's parameters in for the recomputation,
     outside the compiled code, and the recomputation runs the forward's graphs). Trains as eager,
-    on two ranks."""
+    on two ranks. The unit hooks run eagerly at their graph breaks, and Dynamo traces none of
+    zfunc's code: one graph serves both blocks (two under reentrant checkpointing, whose forward
+    runs without grad), where a graph per unit and per zfunc function it traced would reach
+    Dynamo's recompile limit."""
     for ckpt in (None, "reentrant", "nonreentrant") if stage else (None,):
         units = ckpt is not None
         eager = run_ranks(_compiled_in_place, 2, stage, False, ckpt, units)
         for (a, _), (b, graphs) in zip(eager, run_ranks(_compiled_in_place, 2, stage, True, ckpt, units)):
-            assert graphs >= 1, (stage, ckpt)  # compiled, not run eagerly
+            assert 1 <= graphs <= (2 if ckpt == "reentrant" else 1), (stage, ckpt, graphs)  # compiled, zfunc's code not
             assert max((x - y).abs().max().item() for x, y in zip(a, b)) <= 1e-6, (stage, ckpt)
 
 

@@ -335,7 +335,11 @@ class ModuleBinding(Routing, Recompute):
             slots = self._slots(names)
             self.unit_params.update({n: Unbound(named[n], n, mname) for n in names})
             mod = modules[mname]
-            self._specs += [(mod, True, self._enter_hook(i, slots, mod), _CALL), (mod, False, self._leave_hook(i), _CALL)]
+            # Run eagerly inside compiled code (a graph break at each, in forward and recomputation
+            # alike): Dynamo traces none of what they call (a unit's index would be a guard: a
+            # recompile per unit, up to Dynamo's limit)
+            enter, leave = torch.compiler.disable(self._enter_hook(i, slots, mod)), torch.compiler.disable(self._leave_hook(i))
+            self._specs += [(mod, True, enter, _CALL), (mod, False, leave, _CALL)]
             self._unit_modules.append((i, mod, slots))
 
     def _call(self) -> UnitGatherer | UnitViews | None:
