@@ -13,12 +13,54 @@ Examples:
 
 from __future__ import annotations
 
+import functools
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import optree
 
 tree = optree.pytree.reexport(namespace="zfunc", module="zfunc.tree")
 sys.modules.setdefault("zfunc.tree", tree)
+
+
+def _is_record(x: Any) -> bool:
+    """A record whose bookkeeping a map over several trees settles (`TrainState.combined`)."""
+    return callable(getattr(type(x), "combined", None))
+
+
+def _combining(plain: Callable[..., Any], in_place: bool) -> Callable[..., Any]:
+    """``plain`` (one of optree's map functions), after which each record of the result made
+    from several trees (a `zfunc.core.state.TrainState` from two states: an EMA) settles its
+    bookkeeping leaves against the records it was made from (``combined``): a combination of
+    states holds every rank's slice of ``compute`` only where all of them did."""
+
+    @functools.wraps(plain)
+    def combine(func: Callable[..., Any], first: Any, /, *rests: Any, is_leaf: Callable[[Any], bool] | None = None,
+                none_is_leaf: bool = False, namespace: str = "zfunc") -> Any:
+        out = plain(func, first, *rests, is_leaf=is_leaf, none_is_leaf=none_is_leaf, namespace=namespace)
+        if not rests:
+            return out
+        flat = [tree.flatten(t, is_leaf=_is_record, none_is_leaf=none_is_leaf, namespace=namespace)
+                for t in (first, *rests)]
+        spots = [i for i, x in enumerate(flat[0][0]) if _is_record(x)]
+        if not spots:
+            return out
+        leaves, spec = tree.flatten(first if in_place else out, is_leaf=_is_record, none_is_leaf=none_is_leaf,
+                                    namespace=namespace)
+        if spec != flat[0][1]:  # the function changed the structure: no record in the result to settle
+            return out
+        for i in spots:
+            if _is_record(leaves[i]):
+                leaves[i] = leaves[i].combined([f[0][i] for f in flat], in_place)
+        return out if in_place else tree.unflatten(spec, leaves)
+
+    return combine
+
+
+for _name in ("map", "map_with_path", "map_with_accessor"):
+    setattr(tree, _name, _combining(getattr(tree, _name), False))
+    setattr(tree, _name + "_", _combining(getattr(tree, _name + "_"), True))
 
 dataclass = tree.dataclasses.dataclass
 field = tree.dataclasses.field

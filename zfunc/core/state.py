@@ -8,6 +8,7 @@ the host. `zfunc.core.create.init` makes a state; the step functions transform i
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -298,6 +299,29 @@ class TrainState:
             if name in nodes:
                 _check_fits(name, getattr(self, name), value)
         return dataclasses.replace(self, **changes)
+
+    def combined(self, sources: Sequence[Any], in_place: bool) -> TrainState:
+        """This state as `zfunc.tree`'s map functions made it from ``sources`` (the states at its
+        place in each tree mapped over: an EMA of two states): ``gathered`` only where every one
+        of them was (their ``compute`` holds every rank's slice), else the next forward gathers
+        each rank's slice of this state's ``compute`` again (stages 1-2 with ``Config.units``,
+        between a step and the next forward). In place (``map_``) the flag is cleared in place.
+        ``reduced`` is left as the function made it.
+
+        Examples:
+            >>> import torch, zfunc
+            >>> s = zfunc.init(torch.nn.Linear(2, 1), zfunc.Config(stage=1))
+            >>> stale = s.replace(gathered=torch.tensor(False))
+            >>> ema = zfunc.tree.map(lambda a, b: a.lerp(b, 0.5) if a.is_floating_point() else a, s, stale)
+            >>> bool(ema.gathered), bool(zfunc.tree.map(torch.add, s, s).gathered)
+            (False, True)
+        """
+        if all(isinstance(s, TrainState) and bool(s.gathered) for s in sources):
+            return self
+        if in_place:
+            self.gathered.fill_(False)
+            return self
+        return dataclasses.replace(self, gathered=host_flag(False))
 
     @property
     def module(self) -> torch.nn.Module:
