@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import math
 import pathlib
@@ -514,3 +515,85 @@ def test_a_donated_module_called_directly_during_another_threads_call_is_refused
         handle.remove()
     expected = zfunc.backward_step(state, _loss_fn, torch.ones(2, 4))[0]
     assert torch.equal(out[0].grads, expected.grads)
+
+
+class _SavesOutput(nn.Module):
+    """A block whose forward saves an op's own output for backward (``tanh`` keeps its result)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(torch.tanh(self.l1(x)))
+
+
+def _zfunc_hooks(model: nn.Module) -> int:
+    """The forward hooks on ``model``'s modules, but a donated module's refusing ones (which stay)."""
+    return sum(sum(not getattr(h, "refuses_donated", False) for h in m._forward_pre_hooks.values())
+               + len(m._forward_hooks) for m in model.modules())
+
+
+def test_a_stage3_graph_dropped_without_backward_goes_with_its_hooks():
+    """At stage 3 the saved-tensor hooks of a unit keep a saved tensor that is no gathered view
+    as a detached alias: a saved output held as itself would hold its own autograd node, a cycle
+    no collector breaks, and the call, its activations and zfunc's hooks on the module would
+    outlive a graph dropped without backward (a pullback never called; an engine forward with
+    grad on and no backward, as an evaluation without ``no_grad``). With the collector off,
+    reference counting frees them; the gradients stay torch's."""
+    import gc
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_SavesOutput(), _SavesOutput())
+    ref = nn.Sequential(_SavesOutput(), _SavesOutput())
+    ref.load_state_dict(model.state_dict())
+    state = zfunc.init(model, zfunc.Config(stage=3, units=["0", "1"], persist_threshold=0,
+                                           optimizer=zfunc.sgd(lr=1.0)))
+    x = torch.randn(4, 8)
+    gc.disable()
+    try:
+        out, pull = zfunc.vjp(state, lambda m, x: m(x), x)
+        assert _zfunc_hooks(model) > 0  # the call's unit hooks, while its graph lives
+        del out, pull
+        assert _zfunc_hooks(model) == 0
+        out, pull = zfunc.vjp(state, lambda m, x: m(x), x)
+        new = pull(torch.ones_like(out))
+        del out, pull
+        assert _zfunc_hooks(model) == 0
+    finally:
+        gc.enable()
+    ref(x).sum().backward()
+    before, after = zfunc.full_params(state), zfunc.full_params(zfunc.apply_step(new))
+    for n, p in ref.named_parameters():  # one SGD step of lr 1: the gradient
+        assert torch.allclose(before[n] - after[n], p.grad, atol=1e-6), n
+
+    torch.manual_seed(0)
+    net = nn.Sequential(_SavesOutput(), _SavesOutput())
+    engine, *_ = zfunc.initialize(model=net, config={"train_batch_size": 1, "zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 0}})
+    gc.disable()
+    try:
+        for _ in range(3):
+            engine(x).sum()  # grad on, no backward
+        assert all(_zfunc_hooks(b) == 0 for b in net)  # (the engine's routing hooks are on the top module)
+    finally:
+        gc.enable()
+    engine.destroy()
+
+
+def test_a_stage3_call_after_remove_is_refused():
+    """``binding.remove()`` takes the hooks that gather stage 3's units: a call of any state
+    sharing the binding refuses (it ran on the module's own tensors, silently), naming the cause
+    and the fix; at stages 1-2 the units run unbound and training goes on."""
+    x = torch.randn(3, 4)
+    for stage in (1, 3):
+        torch.manual_seed(0)
+        state = zfunc.init(_stack(), zfunc.Config(stage=stage, units=["0", "2"], persist_threshold=0))
+        twin = copy.deepcopy(state)
+        state.binding.remove()
+        for s in (state, twin):
+            if stage == 3:
+                with pytest.raises(RuntimeError, match=r"hooks were removed \(state.binding.remove\(\).*Make a new state"):
+                    zfunc.vjp(s, lambda m, x: m(x), x)
+            else:
+                assert zfunc.backward_step(s, _loss_fn, x)[0].micro_step.item() == 1

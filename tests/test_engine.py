@@ -700,3 +700,75 @@ def test_a_copy_of_the_engine_state_outlives_the_engine():
     kept, module = engine.state, engine.module
     del engine, _
     assert module(torch.ones(1, 3)).shape == (1, 2) and kept.step.item() == 0
+
+
+@pytest.mark.parametrize("stage, units", [(0, None), (1, None), (2, None), (2, ["0", "2"])])
+def test_a_state_made_from_the_engines_module_trains_on_its_own(stage, units):
+    """``zfunc.init(engine.module, ...)`` (``init`` may take a module again): that state's calls
+    run on its own tensors and gradients, not routed to the engine's state (which took them, and
+    trained on them at its next ``step()``, silently); the engine trains on as before."""
+    engine, *_ = zfunc.initialize(model=_model(), config=_ds(stage, world=1))
+    state = zfunc.init(engine.module, zfunc.Config(stage=stage, units=units, optimizer=zfunc.sgd(lr=1.0)))
+    ref = _model()
+    x, y = _data(0, 0)
+    loss_fn = lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1])  # noqa: E731
+    loss_fn(ref, (x, y)).backward()
+    new, loss = zfunc.backward_step(state, loss_fn, (x, y))
+    before, after = zfunc.full_params(state), zfunc.full_params(zfunc.apply_step(new))
+    for n, p in ref.named_parameters():  # one SGD step of lr 1: torch's gradient
+        assert torch.allclose(before[n] - after[n], p.grad, atol=1e-6), (stage, n)
+    with pytest.raises(RuntimeError, match="no backward reached the model since the last step"):
+        engine.step()  # nothing of the state's backward reached the engine
+    expected = _reference(1, 1, 1)[0]
+    engine.backward(nn.functional.cross_entropy(engine(x), y))
+    engine.step()
+    assert _diff(engine, expected) <= 1e-6
+
+
+class _Paused(nn.Module):
+    """``_model()``'s layers, whose forward waits at ``self.pause`` when one is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _model()
+        self.pause = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.net[0](x)
+        if self.pause is not None:
+            self.pause()
+        return self.net[2](self.net[1](h))
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_step_or_forward_while_another_thread_runs_the_engine_is_refused_cleanly(stage):
+    """While another thread's forward runs through ``engine.module``: a forward here, and
+    ``engine.step()`` here (which replaces the state that forward runs on), raise the clear
+    "another thread" error and change nothing; that thread's call (its entries put back by its
+    own routing record, kept per thread) and the step after it train as plain torch."""
+    from tests.helpers import paused_in_thread
+
+    model = _Paused()
+    engine, *_ = zfunc.initialize(model=model, config=_ds(stage, world=1))
+    x, y = _data(0, 0)
+    engine.backward(nn.functional.cross_entropy(engine(x), y))
+    before = zfunc.full_params(engine.state)
+    outs = []
+
+    def other(pause) -> None:
+        model.pause = pause
+        outs.append(engine(x))
+        model.pause = None
+
+    with paused_in_thread(other):
+        with pytest.raises(RuntimeError, match="in another thread now"):
+            engine(x)
+        with pytest.raises(RuntimeError, match="in another thread now"):
+            engine.step()
+        assert all(torch.equal(before[n], t) for n, t in zfunc.full_params(engine.state).items())
+    assert all(type(p) is nn.Parameter for p in model.parameters())  # that call put its entries back
+    engine.step()
+    full = zfunc.full_params(engine.state)
+    for n, p in _reference(1, 1, 1)[0].items():
+        assert torch.allclose(full["net." + n], p, atol=1e-6), (stage, n)
+    assert torch.allclose(outs[0], _model()(x), atol=1e-6)  # that forward ran on the weights of its time

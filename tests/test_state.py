@@ -46,7 +46,10 @@ def test_pure_without_donation_identical_with_it():
 
 
 def _donated_reuse(rank: int, stage: int) -> list[str]:
-    """Every way of using a donated state again; the message each gives (all must refuse)."""
+    """Every way of using a donated state again; the message each gives (all must refuse; a
+    pickle of one would not load)."""
+    import pickle
+
     make, loss_fn, batch_fn = MODELS["zoo"]
     torch.manual_seed(0)
     state = zfunc.init(make(), zfunc.Config(stage=stage, grad_accum=2))
@@ -59,7 +62,7 @@ def _donated_reuse(rank: int, stage: int) -> list[str]:
     uses = [lambda: zfunc.backward_step(state, loss_fn, b), lambda: zfunc.accumulate(s1, {}, strict=False),
             lambda: zfunc.apply_step(s2), lambda: zfunc.vjp(s3, loss_fn, b),
             lambda: zfunc.full_params(s2), lambda: s2.params + 1, lambda: s2.params.sum(), lambda: torch.add(s3.compute, 1),
-            lambda: float(s1.step), lambda: s2.opt.count]
+            lambda: float(s1.step), lambda: s2.opt.count, lambda: pickle.dumps(s1), lambda: copy.deepcopy(s2)]
     said = []
     for use in uses:
         try:
@@ -556,3 +559,59 @@ def _pickle_blob(rank: int) -> bytes:
     import pickle
 
     return pickle.dumps(zfunc.init(nn.Linear(3, 2), zfunc.Config(stage=2)))
+
+
+def _lr_floor(step: Any, lr: float) -> torch.Tensor:
+    return torch.as_tensor(lr, dtype=torch.float64)
+
+
+def _only_matrices(name: str, p: torch.Tensor) -> bool:
+    return p.ndim == 2
+
+
+def test_a_state_with_schedules_and_groups_pickles_and_maps_over_its_copy():
+    """Config is a value: zfunc.schedules' schedules, a DeepSpeed scheduler and functools.partial
+    or module-level functions pickle with the state (the schedule still gives the same rates) and
+    a deepcopy shares the Config (``tree.map`` over a state and its copy works); a lambda is
+    refused at pickling, naming the field."""
+    import functools
+    import pickle
+
+    from zfunc.schedules import warmup_cosine_lr, warmup_decay_lr, warmup_lr
+
+    ds = {"train_batch_size": 8, "zero_optimization": {"stage": 1}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+          "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 3, "total_num_steps": 9}}}
+    configs = [zfunc.Config(stage=1, lr_schedule=warmup_lr(0.0, 1e-2, 4, "linear")),
+               zfunc.Config(stage=1, lr_schedule=warmup_decay_lr(8, 0.0, 1e-2, 3)),
+               zfunc.Config(stage=1, lr_schedule=warmup_cosine_lr(8, 1e-2, warmup_num_steps=2)),
+               zfunc.Config.from_deepspeed(ds),
+               zfunc.Config(stage=1, lr_schedule=functools.partial(_lr_floor, lr=1e-2),
+                            param_groups=[zfunc.ParamGroup(_only_matrices, weight_decay=0.0)])]
+    for cfg in configs:
+        state = zfunc.init(nn.Linear(3, 2), cfg)
+        back = pickle.loads(pickle.dumps(state))
+        assert [back.cfg.lr_schedule(i).item() for i in range(10)] == [cfg.lr_schedule(i).item() for i in range(10)]
+        twin = copy.deepcopy(state)
+        assert twin.cfg is state.cfg
+        zfunc.tree.map(lambda a, b: a, state, twin)  # one structure
+    state = zfunc.init(nn.Linear(3, 2), zfunc.Config(param_groups=[zfunc.ParamGroup(lambda n, p: p.ndim < 2)]))
+    with pytest.raises(pickle.PicklingError, match=r"Config.param_groups = .*cannot be pickled.*top level"):
+        pickle.dumps(state)
+
+
+def test_a_pickled_state_holds_its_master_weights_once():
+    """In fp32 at stages 1-2 ``params`` (this rank's master slice) views ``compute``: the
+    unpickled state keeps it a view (torch pickles each tensor's storage apart: it held the
+    weights twice), trains the same, and its memory report is the original's."""
+    import pickle
+
+    make, loss_fn, batch_fn = MODELS["zoo"]
+    for stage in (0, 1, 2, 3):
+        torch.manual_seed(0)
+        state = zfunc.init(make(), zfunc.Config(stage=stage, optimizer=zfunc.adamw(lr=0.1)))
+        back = pickle.loads(pickle.dumps(state))
+        shares = back.params.untyped_storage().data_ptr() == back.compute.untyped_storage().data_ptr()
+        assert shares == (state.params.untyped_storage().data_ptr() == state.compute.untyped_storage().data_ptr()), stage
+        assert zfunc.memory_report(back) == zfunc.memory_report(state), stage
+        a, b = (zfunc.apply_step(zfunc.backward_step(s, loss_fn, batch_fn(0, 0, 4))[0]) for s in (state, back))
+        assert _bitwise_equal(_snapshot(a), _snapshot(b)), stage

@@ -154,6 +154,7 @@ class ModuleBinding(Routing, Recompute):
         weakref.finalize(self, _let_go, self._handles, self._phases, self._ids, self._attached)
         self.unit_order: list[int] = []  # stage 3: the units the last forward ran, in order
         self._members: list[Any] = []  # set by `route`
+        self._probe: tuple[dict[str, Any], str] | None = None  # set by `route`
         # The other names of a tied parameter or buffer, by its first name: a call passes the
         # tensor under every name (torch's tie_weights=True searches the module each call).
         self.aliases: dict[str, list[str]] = {}
@@ -173,7 +174,7 @@ class ModuleBinding(Routing, Recompute):
             for name, _ in named:
                 parent, _, attr = name.rpartition(".")
                 self.entries.append((getattr(modules[parent], kind), attr, name))
-        self._frames: list[Any] = []
+        self._frames: dict[int, list[Any]] = {}  # by thread (`Routing`)
         # The threads running the module for a zfunc call now (a forward, or a recomputation in
         # backward), with their depth: torch puts a call's tensors in the module's own entries,
         # so one thread at a time (`occupied`).
@@ -492,10 +493,16 @@ class ModuleBinding(Routing, Recompute):
         direct call of it is refused as a donated module's is."""
         return _rebuilt, (self.skeleton(), self.layout, self.stage, self._units)
 
+    @property
+    def removed(self) -> bool:
+        """Whether `remove` took the hooks away for good."""
+        return self._removed
+
     def remove(self) -> None:
         """Take every hook zfunc added to the module away, for good, for every state sharing the
         binding (a state's copies included): units then run unbound, as at stages 1-2 without
-        ``Config.units`` (a donated module stays empty)."""
+        ``Config.units`` (a donated module stays empty); at stage 3, whose units are gathered by
+        the hooks, a call refuses from then on."""
         with self._users_lock:
             self._removed = True
             _take_off(self._phases, self._ids, self._attached)

@@ -269,6 +269,13 @@ class BoundModel(torch.nn.Module):
         lay, cfg, binding = state.layout, state.cfg, state.binding
         tensors = {**binding.unit_params, **state.frozen, **self.new_buffers}
         contexts: list[Any] = []
+        if state.stage == 3 and binding.removed and _has_units(state):
+            raise RuntimeError(
+                f"{type(binding.module).__name__}'s zfunc hooks were removed (state.binding.remove(), for every state "
+                "sharing the binding: its copies too), and at ZeRO stage 3 a unit's parameters are gathered by "
+                "those hooks as its module runs: without them the module would run on its own tensors. Make a new "
+                "state (zfunc.init, or zfunc.load of a zfunc.save of this one) instead of removing the hooks of one "
+                "still in use")
         if state.stage == 3:  # the root unit now; the others when their modules run
             hint = binding.unit_order or [i for i, u in enumerate(lay.units) if u.name != "root"]
             self.units = self.gatherer = gatherer = UnitGatherer(state, self.sinks, hint, self.avg)

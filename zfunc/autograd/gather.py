@@ -352,7 +352,10 @@ class UnitGatherer:
         def pack(t: torch.Tensor) -> Any:
             i = self.live.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
             if i is None:
-                return t
+                # Not the tensor itself: an op's saved output would hold its own node through it, a
+                # cycle through C++ no collector breaks (a graph dropped without backward would
+                # live on). Autograd gives the unpacked tensor its history back.
+                return t.detach()
             self.saved.add(self.entry[i])
             return _Recipe(self, i, t)
 

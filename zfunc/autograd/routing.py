@@ -8,6 +8,7 @@ while the engine lives (the shim's one standing exception to call-scoped hooks),
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -32,7 +33,10 @@ class Routing:
     module: torch.nn.Module
     _handles: list[RemovableHandle]
     _members: list[Any]
-    _frames: list[Any]
+    _probe: tuple[dict[str, Any], str] | None
+    _users: dict[int, int]
+    _frames: dict[int, list[Any]]
+    layout: Any
     flight: calls.InFlight
 
     def route(self, bound: Callable[[], BoundModel | None]) -> None:
@@ -41,6 +45,8 @@ class Routing:
         Two hooks on the top module do it; once ``bound()`` gives None (the engine is gone) they
         take themselves off (`unroute`) and the call runs on the module's own tensors."""
         self._members = [(entries, attr, self.canonical.get(name, name)) for entries, attr, name in self.entries]
+        # A trained parameter's entry: at rest it holds a parameter (`_foreign`)
+        self._probe = next(((entries, attr) for entries, attr, name in self._members if name in self.layout.names), None)
         me = weakref.ref(self)
         self._handles.append(self.module.register_forward_pre_hook(
             lambda mod, args, kwargs: me()._route_in(bound, args, kwargs) if me() else None,
@@ -63,14 +69,15 @@ class Routing:
         self._members = []
 
     def _route_in(self, bound: Callable[[], BoundModel | None], args: tuple, kwargs: dict) -> Any:
-        if self.flight.current() is not None:  # zfunc's own call (functional_call) of the module
-            self._frames.append(None)
+        frames = self._frames.setdefault(threading.get_ident(), [])  # this thread's routed calls
+        if self.flight.current() is not None or self._foreign():  # a zfunc call runs the module already
+            frames.append(None)
             return None
         model = bound()
         if model is None:  # the engine is gone: its hooks go, this call runs as the module's own
             self.unroute()
             return None
-        self._frames.append(None)
+        frames.append(None)
         self.occupy()
         try:
             self.attach()
@@ -93,11 +100,24 @@ class Routing:
             self._put_back(restore, tensors)
             self.release()
             raise
-        self._frames[-1] = (model, tensors, restore, stack)
+        frames[-1] = (model, tensors, restore, stack)
         return args, kwargs
 
+    def _foreign(self) -> bool:
+        """Whether another state's zfunc call has its tensors in the module's entries now (a
+        state made by ``zfunc.init(engine.module, ...)`` runs it): that call runs on its own
+        state, not routed to the engine's. (While a call of this binding runs, in any thread,
+        the entries hold its tensors: routed, which refuses another thread's call.)"""
+        probe = self._probe
+        return (probe is not None and not self._users
+                and not isinstance(probe[0].get(probe[1]), torch.nn.Parameter))
+
     def _route_out(self, out: Any) -> Any:
-        frame = self._frames.pop() if self._frames else None
+        me = threading.get_ident()
+        frames = self._frames.get(me)
+        frame = frames.pop() if frames else None
+        if frames is not None and not frames:
+            del self._frames[me]
         if frame is None:
             return None
         model, tensors, restore, stack = frame

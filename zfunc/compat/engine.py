@@ -344,11 +344,15 @@ class Engine(ConfigAccessors, WeightsOut, Checkpoints, torch.nn.Module):
                 "engine.step(): no backward reached the model since the last step(); call engine.backward(loss) "
                 "(or loss.backward()) on a loss computed with engine(...) first. Nothing was changed")
         self._refuse_stray_grads()
-        self._stepping = True
+        self._router.occupy()  # the step replaces the state a routed forward runs on: one thread at a time
         try:
-            self._step(lr_kwargs)
+            self._stepping = True
+            try:
+                self._step(lr_kwargs)
+            finally:
+                self._stepping = False
         finally:
-            self._stepping = False
+            self._router.release()
 
     def _refuse_stray_grads(self) -> None:
         """A gradient in the ``.grad`` of one of the module's own parameters came from outside the

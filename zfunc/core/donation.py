@@ -46,6 +46,11 @@ class Donated:
         raise RuntimeError(_message(self.by, f"state.{self.name}"))
 
     def __getattr__(self, attr: str) -> NoReturn:
+        if attr in Donated.__slots__:  # (a copy made without __init__: nothing to name)
+            raise AttributeError(attr)
+        self._refuse()
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:  # pickling a donated state uses it
         self._refuse()
 
     @classmethod
@@ -76,7 +81,9 @@ def donate_(state: TrainState, by: str, new: TrainState | None = None,
     ``written`` fields (those ``by`` updates in place) whose memory ``new`` reuses, or that
     ``kept`` holds (buffers ``by`` keeps for later steps), is emptied (it keeps its dtype and
     device and holds no elements, so arithmetic with it fails on the shape), and ``new`` holds
-    new tensor objects over that memory. Nothing kept from a donated state aliases the next one.
+    new tensor objects over that memory. A leaf kept from a donated state never aliases the next
+    one; a view the caller made of one (``state.params[:4]``, ``.detach()``) does, as a view of a
+    donated buffer does in JAX: copy what you keep (``.clone()``) before donating.
 
     Examples:
         >>> import torch, zfunc

@@ -10,6 +10,7 @@ warmup start); `zfunc.Config.from_deepspeed` reproduces that lag, plain zfunc co
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -51,14 +52,7 @@ def warmup_lr(warmup_min_lr: float = 0.0, warmup_max_lr: float = 0.001, warmup_n
         [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
     """
     _check(warmup_num_steps, warmup_type)
-    n = max(2, warmup_num_steps)
-
-    def schedule(step: Any) -> torch.Tensor:
-        i = torch.as_tensor(step, dtype=torch.float64)
-        frac = torch.clamp(_warmup_fraction(i, n, warmup_type), max=1.0)
-        return warmup_min_lr + (warmup_max_lr - warmup_min_lr) * torch.where(i < n, frac, torch.ones_like(frac))
-
-    return schedule
+    return _WarmupLR(warmup_min_lr, warmup_max_lr, max(2, warmup_num_steps), warmup_type)
 
 
 def warmup_decay_lr(total_num_steps: int, warmup_min_lr: float = 0.0, warmup_max_lr: float = 0.001,
@@ -77,16 +71,8 @@ def warmup_decay_lr(total_num_steps: int, warmup_min_lr: float = 0.0, warmup_max
     _check(warmup_num_steps, warmup_type)
     if not (isinstance(total_num_steps, int) and total_num_steps > 0):
         raise ConfigError(f"total_num_steps: expected a positive integer, got {total_num_steps!r}")
-    n = max(2, warmup_num_steps)
     warm = warmup_lr(warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type)
-
-    def schedule(step: Any) -> torch.Tensor:
-        i = torch.as_tensor(step, dtype=torch.float64)
-        gamma = torch.clamp((total_num_steps - i) / max(1, total_num_steps - n), min=0.0)
-        decay = warmup_min_lr + (warmup_max_lr - warmup_min_lr) * gamma
-        return torch.where(i < n, warm(step), decay)
-
-    return schedule
+    return _WarmupDecayLR(warm, total_num_steps)
 
 
 def warmup_cosine_lr(total_num_steps: int, lr: float, warmup_min_ratio: float = 0.0,
@@ -107,13 +93,51 @@ def warmup_cosine_lr(total_num_steps: int, lr: float, warmup_min_ratio: float = 
     _check(warmup_num_steps, warmup_type)
     if not (isinstance(total_num_steps, int) and total_num_steps > 0):
         raise ConfigError(f"total_num_steps: expected a positive integer, got {total_num_steps!r}")
-    n, r0, c = warmup_num_steps, warmup_min_ratio, cos_min_ratio
+    return _WarmupCosineLR(lr, warmup_min_ratio, warmup_num_steps, cos_min_ratio, total_num_steps, warmup_type)
 
-    def schedule(step: Any) -> torch.Tensor:
+
+# The schedules are values (frozen dataclasses): a Config holding one compares equal to its copy
+# and pickles with its state.
+
+@dataclasses.dataclass(frozen=True)
+class _WarmupLR:
+    lo: float
+    hi: float
+    n: int  # max(2, warmup_num_steps)
+    kind: str
+
+    def __call__(self, step: Any) -> torch.Tensor:
         i = torch.as_tensor(step, dtype=torch.float64)
-        warm = r0 + (1 - r0) * _warmup_fraction(i, max(2, n), warmup_type)
-        p = torch.clamp((i - n + 1) / max(1, total_num_steps - n), max=1.0)
-        cos = torch.clamp(c + (1 - c) * (1 + torch.cos(math.pi * p)) / 2, min=0.0)
-        return lr * torch.where(i < n, warm, cos)
+        frac = torch.clamp(_warmup_fraction(i, self.n, self.kind), max=1.0)
+        return self.lo + (self.hi - self.lo) * torch.where(i < self.n, frac, torch.ones_like(frac))
 
-    return schedule
+
+@dataclasses.dataclass(frozen=True)
+class _WarmupDecayLR:
+    warm: _WarmupLR
+    total: int
+
+    def __call__(self, step: Any) -> torch.Tensor:
+        w = self.warm
+        i = torch.as_tensor(step, dtype=torch.float64)
+        gamma = torch.clamp((self.total - i) / max(1, self.total - w.n), min=0.0)
+        decay = w.lo + (w.hi - w.lo) * gamma
+        return torch.where(i < w.n, w(step), decay)
+
+
+@dataclasses.dataclass(frozen=True)
+class _WarmupCosineLR:
+    lr: float
+    r0: float
+    n: int
+    c: float
+    total: int
+    kind: str
+
+    def __call__(self, step: Any) -> torch.Tensor:
+        n, r0, c = self.n, self.r0, self.c
+        i = torch.as_tensor(step, dtype=torch.float64)
+        warm = r0 + (1 - r0) * _warmup_fraction(i, max(2, n), self.kind)
+        p = torch.clamp((i - n + 1) / max(1, self.total - n), max=1.0)
+        cos = torch.clamp(c + (1 - c) * (1 + torch.cos(math.pi * p)) / 2, min=0.0)
+        return self.lr * torch.where(i < n, warm, cos)

@@ -300,6 +300,19 @@ class TrainState:
                 _check_fits(name, getattr(self, name), value)
         return dataclasses.replace(self, **changes)
 
+    def __reduce__(self) -> tuple:
+        """Pickled field by field; ``params`` that views ``compute`` (the master weights in the
+        compute dtype, stages 1-2) as where in it, so the unpickled state keeps them once (torch
+        pickles each tensor's storage apart)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        p, c = self.params, self.compute
+        view = None
+        if (type(p) is torch.Tensor and type(c) is torch.Tensor and p is not c and p.device == c.device
+                and p.device.type != "meta" and p.untyped_storage().data_ptr() == c.untyped_storage().data_ptr()):
+            view = (p.storage_offset(), tuple(p.shape), p.stride())
+            fields["params"] = None
+        return _unpickled, (fields, view)
+
     def combined(self, sources: Sequence[Any], in_place: bool) -> TrainState:
         """This state as `zfunc.tree`'s map functions made it from ``sources`` (the states at its
         place in each tree mapped over: an EMA of two states): ``gathered`` only where every one
@@ -341,6 +354,13 @@ class TrainState:
     def device(self) -> torch.device:
         """The compute device (the master weights are on the host with ``Config.offload_optimizer``)."""
         return self.compute.device
+
+
+def _unpickled(fields: dict[str, Any], view: tuple | None) -> TrainState:
+    """A pickled `TrainState` again (`TrainState.__reduce__`)."""
+    if view is not None:
+        fields["params"] = fields["compute"].as_strided(view[1], view[2], view[0])
+    return TrainState(**fields)
 
 
 def host_flag(value: bool) -> torch.Tensor:
