@@ -41,19 +41,23 @@ def _combining(plain: Callable[..., Any], in_place: bool) -> Callable[..., Any]:
         out = plain(func, first, *rests, is_leaf=is_leaf, none_is_leaf=none_is_leaf, namespace=namespace)
         if not rests:
             return out
-        flat = [tree.flatten(t, is_leaf=_is_record, none_is_leaf=none_is_leaf, namespace=namespace)
-                for t in (first, *rests)]
-        spots = [i for i, x in enumerate(flat[0][0]) if _is_record(x)]
-        if not spots:
+        if _is_record(first):  # states themselves (an EMA): no walk
+            if in_place:
+                first.combined([first, *rests], True)
+                return out
+            return out.combined([first, *rests], False) if _is_record(out) else out
+        stop = _is_record if is_leaf is None else (lambda x: _is_record(x) or is_leaf(x))  # the user's leaves too
+        leaves, spec = tree.flatten(first, is_leaf=stop, none_is_leaf=none_is_leaf, namespace=namespace)
+        spots = [i for i, x in enumerate(leaves) if _is_record(x)]
+        if not spots:  # no state in it: nothing to settle
             return out
-        leaves, spec = tree.flatten(first if in_place else out, is_leaf=_is_record, none_is_leaf=none_is_leaf,
-                                    namespace=namespace)
-        if spec != flat[0][1]:  # the function changed the structure: no record in the result to settle
-            return out
+        # Each tree (and the result) up to the first's records: a later tree may be deeper there
+        sources = [spec.flatten_up_to(t) for t in rests]
+        made = leaves if in_place else spec.flatten_up_to(out)
         for i in spots:
-            if _is_record(leaves[i]):
-                leaves[i] = leaves[i].combined([f[0][i] for f in flat], in_place)
-        return out if in_place else tree.unflatten(spec, leaves)
+            if _is_record(made[i]):
+                made[i] = made[i].combined([leaves[i], *(s[i] for s in sources)], in_place)
+        return out if in_place else spec.unflatten(made)
 
     return combine
 

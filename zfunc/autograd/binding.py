@@ -154,7 +154,7 @@ class ModuleBinding(Routing, Recompute):
         weakref.finalize(self, _let_go, self._handles, self._phases, self._ids, self._attached)
         self.unit_order: list[int] = []  # stage 3: the units the last forward ran, in order
         self._members: list[Any] = []  # set by `route`
-        self._probe: tuple[dict[str, Any], str] | None = None  # set by `route`
+        self._probe: Any = None  # set by `route`
         # The other names of a tied parameter or buffer, by its first name: a call passes the
         # tensor under every name (torch's tie_weights=True searches the module each call).
         self.aliases: dict[str, list[str]] = {}

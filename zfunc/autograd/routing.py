@@ -33,7 +33,7 @@ class Routing:
     module: torch.nn.Module
     _handles: list[RemovableHandle]
     _members: list[Any]
-    _probe: tuple[dict[str, Any], str] | None
+    _probe: tuple[tuple[dict[str, Any], str], tuple[dict[str, Any], str]] | None
     _users: dict[int, int]
     _frames: dict[int, list[Any]]
     layout: Any
@@ -45,8 +45,9 @@ class Routing:
         Two hooks on the top module do it; once ``bound()`` gives None (the engine is gone) they
         take themselves off (`unroute`) and the call runs on the module's own tensors."""
         self._members = [(entries, attr, self.canonical.get(name, name)) for entries, attr, name in self.entries]
-        # A trained parameter's entry: at rest it holds a parameter (`_foreign`)
-        self._probe = next(((entries, attr) for entries, attr, name in self._members if name in self.layout.names), None)
+        # The first and the last trained parameter's entries: at rest each holds a parameter (`_foreign`)
+        trained = [(entries, attr) for entries, attr, name in self._members if name in self.layout.names]
+        self._probe = (trained[0], trained[-1]) if trained else None
         me = weakref.ref(self)
         self._handles.append(self.module.register_forward_pre_hook(
             lambda mod, args, kwargs: me()._route_in(bound, args, kwargs) if me() else None,
@@ -105,12 +106,13 @@ class Routing:
 
     def _foreign(self) -> bool:
         """Whether another state's zfunc call has its tensors in the module's entries now (a
-        state made by ``zfunc.init(engine.module, ...)`` runs it): that call runs on its own
-        state, not routed to the engine's. (While a call of this binding runs, in any thread,
-        the entries hold its tensors: routed, which refuses another thread's call.)"""
+        state made by ``zfunc.init(engine.module, ...)`` runs it; it puts in every parameter,
+        the first and the last among them): that call runs on its own state, not routed to the
+        engine's. (While a call of this binding runs, in any thread, the entries hold its
+        tensors: routed, which refuses another thread's call.)"""
         probe = self._probe
         return (probe is not None and not self._users
-                and not isinstance(probe[0].get(probe[1]), torch.nn.Parameter))
+                and not any(isinstance(entries.get(attr), torch.nn.Parameter) for entries, attr in probe))
 
     def _route_out(self, out: Any) -> Any:
         me = threading.get_ident()

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import dataclasses
-import pickle
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -122,20 +121,6 @@ class Config:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Config:
         return self  # a frozen value: a state's copy shares it (and so compares equal in structure)
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        """As any frozen dataclass pickles, after a check that names a field pickle cannot write
-        (a lambda or a function defined inside another)."""
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            try:
-                pickle.dumps(value, protocol)
-            except Exception as e:
-                raise pickle.PicklingError(
-                    f"Config.{f.name} = {value!r} cannot be pickled ({e}), so neither can a state made with this "
-                    "Config: give a function defined at a module's top level (or a zfunc.schedules schedule, "
-                    "a functools.partial of such a function) instead of a lambda or a local function") from None
-        return super().__reduce_ex__(protocol)
 
     def __post_init__(self) -> None:
         check(self.stage in (0, 1, 2, 3) and not isinstance(self.stage, bool),
