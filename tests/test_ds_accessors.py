@@ -145,3 +145,34 @@ def test_a_value_of_the_wrong_shape_is_named_with_both_shapes(stage):
                                          r"shape \[9\]"):
         zfunc.utils.safe_set_full_optimizer_state(w, torch.zeros(9), "exp_avg")
     assert torch.equal(engine.state.params, before)
+
+
+def _edit_one_bf16(rank: int, stage: int) -> tuple[int, float, float]:
+    """Three bf16 steps (fp32 masters), then ``GatheredParameters(modifier_rank=0)`` writing one
+    element of a weight: how many other elements' masters changed, the edited master, the value."""
+    torch.manual_seed(0)
+    engine, *_ = zfunc.initialize(model=_model(), config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage}})
+    for micro in range(3):
+        engine.backward(engine(_batch(rank, micro).bfloat16()).float().square().mean())
+        engine.step()
+    w = engine.module[0].weight
+    before = zfunc.utils.safe_get_full_fp32_param(w).clone()
+    with zfunc.zero.GatheredParameters(w, modifier_rank=0):
+        with torch.no_grad():
+            w[0, 0] = 0.123 if rank == 0 else 9.0  # the modifier's write is the one kept
+            held = torch.tensor(0.123, dtype=w.dtype).item()  # as the parameter holds it (bf16 at stages 0-2)
+    after = zfunc.utils.safe_get_full_fp32_param(w)
+    others = torch.ones_like(before, dtype=torch.bool)
+    others[0, 0] = False
+    return int((after != before)[others].sum()), after[0, 0].item(), held
+
+
+def test_a_bf16_edit_in_gathered_parameters_keeps_the_other_masters():
+    """With bf16 compute copies and fp32 masters, what the modifier rank writes becomes the master;
+    the elements it did not write keep their fp32 masters bitwise (they were rounded through the
+    bf16 copy), at every stage."""
+    for stage in (0, 1, 2, 3):
+        for changed, edited, written in run_ranks(_edit_one_bf16, 2, stage):
+            assert changed == 0 and edited == written, (stage, changed, edited, written)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -772,3 +773,74 @@ def test_a_step_or_forward_while_another_thread_runs_the_engine_is_refused_clean
     for n, p in _reference(1, 1, 1)[0].items():
         assert torch.allclose(full["net." + n], p, atol=1e-6), (stage, n)
     assert torch.allclose(outs[0], _model()(x), atol=1e-6)  # that forward ran on the weights of its time
+
+
+def _ds_lrs(scheduler: dict, updates: int, group_lrs: tuple[float, ...] = (0.1,)) -> list[list[float]]:
+    """Each group's lr at applied updates 0..updates-1 under ``scheduler`` (a DeepSpeed config
+    section), an SGD of lr 0.1 with a group per entry of ``group_lrs`` (the first the optimizer's)."""
+    groups = [zfunc.ParamGroup([f"{i}.weight", f"{i}.bias"], lr=lr) for i, lr in enumerate(group_lrs) if i]
+    cfg = zfunc.Config.from_deepspeed({"train_batch_size": 4, "scheduler": scheduler,
+                                       "optimizer": {"type": "SGD", "params": {"lr": group_lrs[0]}}})
+    state = zfunc.init(nn.Sequential(*(nn.Linear(2, 2) for _ in group_lrs)), cfg.replace(param_groups=groups))
+    import dataclasses
+
+    return [[round(x, 6) for x in zfunc.learning_rates(state.replace(
+        opt=dataclasses.replace(state.opt, count=torch.tensor(u)))).tolist()] for u in range(updates)]
+
+
+def test_deepspeed_schedulers_follow_deepspeeds_objects():
+    """The lr each update gets, as DeepSpeed 0.19's scheduler objects set it (made before the
+    first update, stepped after each): ``WarmupDecayLR``'s ``warmup_max_lr`` is 0.001 unless
+    given; ``WarmupLR``'s each group's own lr unless given, a given one every group's, with
+    ``warmup_min_lr`` every group's start; ``WarmupCosineLR`` starts at 0 whatever
+    ``warmup_min_ratio``, takes at least 2 warmup steps, and scales each group's lr;
+    ``last_batch_iteration`` resumes the formula there, the first update at the group's own lr."""
+    decay = {"type": "WarmupDecayLR", "params": {"total_num_steps": 6, "warmup_num_steps": 2, "warmup_type": "linear"}}
+    assert _ds_lrs(decay, 6) == [[0.0], [0.0], [0.0005], [0.001], [0.00075], [0.0005]]
+    warm = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.01, "warmup_num_steps": 4, "warmup_type": "linear"}}
+    assert _ds_lrs(warm, 6, (0.1, 0.3)) == [[0.01, 0.01], [0.01, 0.01], [0.0325, 0.0825], [0.055, 0.155],
+                                            [0.0775, 0.2275], [0.1, 0.3]]
+    warm["params"]["warmup_max_lr"] = 0.2
+    assert _ds_lrs(warm, 6, (0.1, 0.3))[-1] == [0.2, 0.2]
+    cosine = {"type": "WarmupCosineLR", "params": {"total_num_steps": 6, "warmup_num_steps": 1, "warmup_min_ratio": 0.1,
+                                                   "cos_min_ratio": 0.0, "warmup_type": "linear"}}
+    lrs = _ds_lrs(cosine, 6, (0.1, 0.3))
+    cos = [round(0.1 * (1 + math.cos(math.pi * k / 4)) / 2, 6) for k in (1, 2, 3)]  # over 6 - N = 4 updates
+    assert [g[0] for g in lrs] == [0.0, 0.01, 0.055, *cos]  # 0, then r0 + (1 - r0) i / N for i < N = 2
+    assert all(abs(b - 3 * a) < 1e-5 for a, b in lrs)  # each group its own lr times the ratio
+    resumed = {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_type": "linear",
+                                              "last_batch_iteration": 4}}
+    assert _ds_lrs(resumed, 4) == [[0.1], [0.05], [0.06], [0.07]]
+
+
+def test_deepspeed_optimizer_defaults_are_deepspeeds():
+    """Params left out take DeepSpeed's values: Lion's of its FusedLion (lr 1e-3, betas 0.9 and
+    0.999), and ``torch_adam`` builds torch.optim.AdamW, whose weight decay is 0.01."""
+    lion = zfunc.Config.from_deepspeed({"train_batch_size": 4, "optimizer": {"type": "Lion"}}).optimizer
+    assert (lion.lr, lion.betas, lion.weight_decay) == (1e-3, (0.9, 0.999), 0.0)
+    for kind in ("Adam", "AdamW"):
+        adam = zfunc.Config.from_deepspeed({"train_batch_size": 4, "optimizer": {
+            "type": kind, "params": {"torch_adam": True}}}).optimizer
+        assert adam.weight_decay == 0.01 and adam.decoupled, kind
+    fused = zfunc.Config.from_deepspeed({"train_batch_size": 4, "optimizer": {"type": "AdamW"}}).optimizer
+    assert fused.weight_decay == 0.0
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_backward_after_the_step_that_replaced_its_forwards_weights_is_refused(stage):
+    """The next batch's forward before the boundary ``step()`` and its backward after it (invalid
+    in plain torch too): the backward raises, saying the step replaced the weights its forward
+    ran on (rather than autograd's in-place version errors); the engine trains on as plain torch
+    does without that backward."""
+    engine, *_ = zfunc.initialize(model=_model(), config=_ds(stage, world=1))
+    x, y = _data(0, 0)
+    engine.backward(nn.functional.cross_entropy(engine(x), y))
+    ahead = engine(x)
+    engine.step()
+    with pytest.raises(RuntimeError, match="differentiates a forward whose weights a step has replaced since"):
+        engine.backward(nn.functional.cross_entropy(ahead, y))
+    expected = _reference(2, 1, 1)[1]  # two steps on batches 0 and 1
+    x1, y1 = _data(1, 0)
+    engine.backward(nn.functional.cross_entropy(engine(x1), y1))
+    engine.step()
+    assert _diff(engine, expected) <= 1e-6

@@ -137,8 +137,9 @@ def _hf_loop(rank: int, stage: int, precision: str = "fp32") -> float:
     decay, nodecay = _decay_split(model)
     ds = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GA, "gradient_clipping": 1.0,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "weight_decay": 0.3}},
-          "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 6, "warmup_num_steps": 2,
-                                                            "warmup_min_lr": 0.0, "warmup_type": "linear"}},
+          "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 6, "warmup_num_steps": 2,  # as HF fills it
+                                                            "warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
+                                                            "warmup_type": "linear"}},
           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
           "bf16": {"enabled": precision == "bf16"},  # the torch recipe sums fp32 gradients (DeepSpeed's default: bf16)
           "communication_data_type": "fp32", "data_types": {"grad_accum_dtype": "fp32"}}

@@ -129,7 +129,20 @@ class InFlight:
 
 
 def _entered(call: Any, flight: InFlight, task: int) -> None:
-    """Backward ``task`` reached the call's output: note it on the call, count it until it ends."""
+    """Backward ``task`` reached the call's output: note it on the call, count it until it ends.
+
+    Raises:
+        RuntimeError: the call's weights were given to a step since its forward (a donating
+            `zfunc.apply_step`, ``engine.step()``): its graph reads tensors that hold other values
+            now, or none.
+    """
+    replaced = getattr(call, "replaced", None)
+    if replaced is not None and replaced():
+        raise RuntimeError(
+            "this backward differentiates a forward whose weights a step has replaced since: the forward ran, "
+            "then engine.step() (or zfunc.apply_step(..., donate=True)) gave its state's buffers to the next "
+            "state, then the backward came (in plain torch an optimizer step between them fails too). Run the "
+            "backward before the step, or run the forward again after it")
     call.tasks.add(task)
     on_backward = getattr(call, "on_backward", None)  # the binding's recompute hooks go on
     if on_backward is not None:

@@ -213,6 +213,12 @@ class UnitGatherer:
         if full is not None:
             self._recycle(full)
 
+    def replaced(self) -> bool:
+        """Whether the call's state gave its compute shard away since its forward (a donating
+        step emptied it)."""
+        compute = self.state.compute
+        return not isinstance(compute, torch.Tensor) or compute.numel() == 0  # (a donated state's marker)
+
     def _recycle(self, full: torch.Tensor) -> None:
         """A gathered unit nothing needs any more back to the pool, if no tensor over it is left
         (a view something kept, a saved tensor no hook turned into a recipe): then it is only

@@ -61,6 +61,11 @@ class Rebind:
         self._made: dict[int, dict[str, torch.Tensor]] = {}  # by backward (graph task): the leaves made in it
         self._since = 0  # elements handed out since the last collect
 
+    def replaced(self) -> bool:
+        """Whether the call's compute buffer was given away since its forward (a donating step
+        emptied it)."""
+        return self.compute.numel() == 0
+
     def views(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Parameters ``names`` (trained or frozen) as the call had them."""
         task = graph_task()

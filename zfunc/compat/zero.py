@@ -97,7 +97,9 @@ class GatheredParameters(contextlib.AbstractContextManager):
     parameter of an engine's module, or several) hold their full current weights while the block
     runs (at stage 3 they are empty otherwise; at stages 0-2 they are full already). With
     ``modifier_rank``, what that rank writes into them is broadcast and becomes the master weight
-    (and compute copy) on every rank when the block ends. A collective at stage 3 and with
+    (and compute copy) on every rank when the block ends: the elements it wrote, where the master
+    has another dtype than the compute copy (bf16 compute, fp32 masters: the others keep their
+    masters, not rounded through bf16). A collective at stage 3 and with
     ``modifier_rank``: enter it on every rank. ``enabled=False`` does nothing.
 
     Parameters of a model no engine holds yet (built, not yet passed to `zfunc.initialize`) are
@@ -124,6 +126,7 @@ class GatheredParameters(contextlib.AbstractContextManager):
         self.params = [p for p in params if p is not None] if enabled else []
         self.modifier_rank = modifier_rank
         self._restore: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (param, its data, its version)
+        self._before: dict[int, torch.Tensor] = {}  # with modifier_rank over masters of another dtype: values at entry
 
     def __enter__(self) -> GatheredParameters:
         from zfunc.compat.utils import _full, owned, owner_of
@@ -147,13 +150,16 @@ class GatheredParameters(contextlib.AbstractContextManager):
                 data = p.data
                 set_data([(p, full.to(p.dtype))])
                 self._restore.append((p, data, p._version))
+            if (self.modifier_rank is not None and name not in st.frozen
+                    and st.cfg.compute_dtype != st.cfg.master_dtype):
+                self._before[id(p)] = p.data.detach().clone()  # what the block did not write keeps its master
         return self
 
     def __exit__(self, *exc: Any) -> None:
         """On every path (an exception inside included, as DeepSpeed's): with ``modifier_rank``,
         that rank's values are broadcast and written on every rank, trained, tied and frozen
         parameters alike; without it, a write at stage 3 is refused (it would be dropped)."""
-        from zfunc.compat.utils import owned, owner_of, safe_set_full_fp32_param
+        from zfunc.compat.utils import owned, owner_of, safe_get_full_fp32_param, safe_set_full_fp32_param
         from zfunc.distributed import comm
 
         try:
@@ -170,6 +176,10 @@ class GatheredParameters(contextlib.AbstractContextManager):
                         with torch.no_grad():
                             st.frozen[name].copy_(value.to(st.frozen[name].dtype))
                     else:
+                        before = self._before.get(id(p))
+                        if before is not None:  # the elements written take the new value, the rest keep their master
+                            master = safe_get_full_fp32_param(p)
+                            value = torch.where(value != before, value.to(master.dtype), master)
                         safe_set_full_fp32_param(p, value)
             elif exc[0] is None:
                 written = [owner_of(p)[1] for p, _, version in self._restore if p._version != version]
@@ -182,6 +192,7 @@ class GatheredParameters(contextlib.AbstractContextManager):
         finally:
             set_data([(p, data) for p, data, _ in self._restore])
             self._restore = []
+            self._before = {}
 
 
 def _broadcast_host(t: torch.Tensor, src: int) -> None:

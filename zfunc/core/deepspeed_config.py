@@ -300,9 +300,13 @@ def _optimizer(ds: Mapping[str, Any]) -> tuple[Any, tuple[ParamGroup, ...]]:
     if record is AdamConfig:
         # DeepSpeed: "Adam" means AdamW unless adam_w_mode is false.
         decoupled = _bool(params.pop("adam_w_mode", True), "optimizer.params.adam_w_mode") if kind.lower() == "adam" else True
-        _bool(params.pop("torch_adam", False), "optimizer.params.torch_adam")
+        if _bool(params.pop("torch_adam", False), "optimizer.params.torch_adam") and decoupled:
+            params.setdefault("weight_decay", 0.01)  # DeepSpeed builds torch.optim.AdamW then: its default
         params["decoupled"] = decoupled
         accepted = accepted | {"decoupled"}
+    elif record is LionConfig:  # DeepSpeed's FusedLion / DeepSpeedCPULion defaults (zfunc.lion's are the paper's)
+        params.setdefault("lr", 1e-3)
+        params.setdefault("betas", (0.9, 0.999))
     unknown = sorted(set(params) - accepted)
     if unknown:
         raise _err("optimizer.params", f"keys of {kind}: {', '.join(sorted(accepted - {'decoupled'}))}", unknown)
@@ -344,11 +348,17 @@ def _scheduler(ds: Mapping[str, Any], lr: float) -> Any:
                           "formula, or set lr and betas per step with zfunc.set_hyperparams")
     if kind not in factories:
         raise _err("scheduler.type", f"one of {sorted(factories)} (OneCycle and LRRangeTest: in the engine)", kind)
-    if kind != "WarmupCosineLR":
+    last = params.pop("last_batch_iteration", -1)
+    if not (isinstance(last, int) and not isinstance(last, bool) and last >= -1):
+        raise _err("scheduler.params.last_batch_iteration", "an integer of at least -1", last)
+    top: float | None = None
+    if kind == "WarmupCosineLR":
+        params["lr"] = lr  # a share of each group's lr
+    elif kind == "WarmupLR":  # each group's own lr unless given (DeepSpeed 0.19)
+        top = params.get("warmup_max_lr")
         params.setdefault("warmup_max_lr", lr)
-    else:
-        params["lr"] = lr
-    params.pop("last_batch_iteration", None)
+    else:  # WarmupDecayLR: 0.001 unless given, every group alike (DeepSpeed 0.19)
+        top = params.setdefault("warmup_max_lr", 0.001)
     accepted = set(inspect.signature(factories[kind]).parameters)
     for key in params:
         if key not in accepted:
@@ -360,18 +370,43 @@ def _scheduler(ds: Mapping[str, Any], lr: float) -> Any:
         raise ConfigError(f"scheduler.params: {e}") from None
     except ConfigError as e:
         raise ConfigError(f"scheduler.params.{e}") from None
-    return _Lagged(inner)
+    return _DeepSpeedSchedule(inner, kind, float(params.get("warmup_min_lr", 0.0)), top, lr, last + 1)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Lagged:
-    """DeepSpeed's schedulers set the start value at construction and step after each update,
-    so update ``u`` uses the formula at ``max(u - 1, 0)``: the first two updates share a value."""
+class _DeepSpeedSchedule:
+    """A DeepSpeed scheduler of the config as its object steps (``deepspeed.runtime.lr_schedules``,
+    0.19): made before the first update with ``last_batch_iteration`` -1, it sets each group's lr
+    to its value there (``warmup_min_lr``; 0 for ``WarmupCosineLR``), and steps after each update,
+    so update ``u >= 1`` uses the formula at ``u - 1``; made at ``last_batch_iteration = k``, the
+    first update keeps each group's own lr and update ``u`` uses the formula at ``k + u``
+    (``start = k + 1``). Per group: ``WarmupCosineLR`` scales each group's lr; ``WarmupLR`` rises
+    from ``warmup_min_lr`` to ``warmup_max_lr`` (``top``) for every group, or to each group's own
+    lr when none was given; ``WarmupDecayLR`` likewise (``top`` 0.001 when not given)."""
 
-    inner: Any
+    formula: Any  # the zfunc.schedules schedule (its ``gamma`` or ``ratio``)
+    kind: str
+    bottom: float
+    top: float | None
+    lr: float  # the optimizer's (the first group's)
+    start: int
+
+    def per_group(self, step: Any, lrs: torch.Tensor) -> torch.Tensor:
+        """Each group's lr at applied update ``step``, the groups' own lrs ``lrs``."""
+        u = torch.as_tensor(step)
+        lrs = lrs.to(u.device, torch.float64)
+        t = torch.clamp(u - 1 + self.start, min=0)
+        if self.kind == "WarmupCosineLR":
+            now = lrs * self.formula.ratio(t)
+            first = lrs if self.start else torch.zeros_like(lrs)
+        else:
+            top = lrs if self.top is None else torch.full_like(lrs, self.top)
+            now = self.bottom + (top - self.bottom) * self.formula.gamma(t)
+            first = lrs if self.start else torch.full_like(lrs, self.bottom)
+        return torch.where(u < 1, first, now)
 
     def __call__(self, step: Any) -> torch.Tensor:
-        return self.inner(torch.clamp(torch.as_tensor(step) - 1, min=0))
+        return self.per_group(step, torch.tensor([self.lr], dtype=torch.float64))[0]
 
 
 def _dtype(v: Any, path: str) -> torch.dtype:

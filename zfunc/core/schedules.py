@@ -81,19 +81,19 @@ def warmup_cosine_lr(total_num_steps: int, lr: float, warmup_min_ratio: float = 
     """Warm up from ``lr * warmup_min_ratio`` to ``lr``, then cosine-decay to ``lr * cos_min_ratio``.
 
     Warmup ratio ``r0 + (1 - r0) * w(i)``; after it ``p = min(1, (i - N + 1) / max(1, T - N))``
-    and ratio ``max(0, c + (1 - c) * (1 + cos(pi p)) / 2)`` (DeepSpeed's ``WarmupCosineLR``;
-    here ``N`` is ``warmup_num_steps`` itself).
+    and ratio ``max(0, c + (1 - c) * (1 + cos(pi p)) / 2)``, ``N = max(2, warmup_num_steps)``
+    (DeepSpeed 0.19's ``WarmupCosineLR``).
 
     Examples:
         >>> from zfunc.schedules import warmup_cosine_lr
-        >>> f = warmup_cosine_lr(5, lr=1.0, warmup_num_steps=1, cos_min_ratio=0.0, warmup_type="linear")
+        >>> f = warmup_cosine_lr(5, lr=1.0, warmup_num_steps=2, cos_min_ratio=0.0, warmup_type="linear")
         >>> [round(f(i).item(), 2) for i in range(6)]
-        [0.0, 0.85, 0.5, 0.15, 0.0, 0.0]
+        [0.0, 0.5, 0.75, 0.25, 0.0, 0.0]
     """
     _check(warmup_num_steps, warmup_type)
     if not (isinstance(total_num_steps, int) and total_num_steps > 0):
         raise ConfigError(f"total_num_steps: expected a positive integer, got {total_num_steps!r}")
-    return _WarmupCosineLR(lr, warmup_min_ratio, warmup_num_steps, cos_min_ratio, total_num_steps, warmup_type)
+    return _WarmupCosineLR(lr, warmup_min_ratio, max(2, warmup_num_steps), cos_min_ratio, total_num_steps, warmup_type)
 
 
 # The schedules are values (frozen dataclasses): a Config holding one compares equal to its copy
@@ -106,10 +106,14 @@ class _WarmupLR:
     n: int  # max(2, warmup_num_steps)
     kind: str
 
-    def __call__(self, step: Any) -> torch.Tensor:
+    def gamma(self, step: Any) -> torch.Tensor:
+        """How far from ``lo`` to ``hi`` at ``step`` (0 to 1)."""
         i = torch.as_tensor(step, dtype=torch.float64)
         frac = torch.clamp(_warmup_fraction(i, self.n, self.kind), max=1.0)
-        return self.lo + (self.hi - self.lo) * torch.where(i < self.n, frac, torch.ones_like(frac))
+        return torch.where(i < self.n, frac, torch.ones_like(frac))
+
+    def __call__(self, step: Any) -> torch.Tensor:
+        return self.lo + (self.hi - self.lo) * self.gamma(step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,12 +121,15 @@ class _WarmupDecayLR:
     warm: _WarmupLR
     total: int
 
-    def __call__(self, step: Any) -> torch.Tensor:
+    def gamma(self, step: Any) -> torch.Tensor:
+        """How far from ``lo`` to ``hi`` at ``step``: up in the warmup, then down."""
         w = self.warm
         i = torch.as_tensor(step, dtype=torch.float64)
-        gamma = torch.clamp((self.total - i) / max(1, self.total - w.n), min=0.0)
-        decay = w.lo + (w.hi - w.lo) * gamma
-        return torch.where(i < w.n, w(step), decay)
+        return torch.where(i < w.n, w.gamma(step), torch.clamp((self.total - i) / max(1, self.total - w.n), min=0.0))
+
+    def __call__(self, step: Any) -> torch.Tensor:
+        w = self.warm
+        return w.lo + (w.hi - w.lo) * self.gamma(step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,10 +141,14 @@ class _WarmupCosineLR:
     total: int
     kind: str
 
-    def __call__(self, step: Any) -> torch.Tensor:
+    def ratio(self, step: Any) -> torch.Tensor:
+        """The share of ``lr`` at ``step``."""
         n, r0, c = self.n, self.r0, self.c
         i = torch.as_tensor(step, dtype=torch.float64)
-        warm = r0 + (1 - r0) * _warmup_fraction(i, max(2, n), self.kind)
+        warm = r0 + (1 - r0) * _warmup_fraction(i, n, self.kind)
         p = torch.clamp((i - n + 1) / max(1, self.total - n), max=1.0)
         cos = torch.clamp(c + (1 - c) * (1 + torch.cos(math.pi * p)) / 2, min=0.0)
-        return self.lr * torch.where(i < n, warm, cos)
+        return torch.where(i < n, warm, cos)
+
+    def __call__(self, step: Any) -> torch.Tensor:
+        return self.lr * self.ratio(step)

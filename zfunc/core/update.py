@@ -44,7 +44,8 @@ def learning_rates(state: TrainState) -> torch.Tensor:
     """Each parameter group's learning rate for the next applied step (float32, on the device).
 
     Without a schedule, ``state.hyper.lr``. With one, the schedule's value scaled per group by
-    ``hyper.lr[g] / optimizer.lr`` (as torch's schedulers scale each group's initial lr).
+    ``hyper.lr[g] / optimizer.lr`` (as torch's schedulers scale each group's initial lr); a
+    DeepSpeed scheduler read by `zfunc.Config.from_deepspeed` follows DeepSpeed's rule per group.
     Schedules advance with applied steps only: a step skipped for overflow does not move them.
 
     Examples:
@@ -56,6 +57,9 @@ def learning_rates(state: TrainState) -> torch.Tensor:
     cfg = state.cfg
     lrs = state.hyper.lr
     if cfg.lr_schedule is not None:
+        per_group = getattr(cfg.lr_schedule, "per_group", None)  # a schedule with a rule per group of its own
+        if per_group is not None:
+            return per_group(state.opt.count, state.hyper.lr).to(state.device, torch.float32)
         base = torch.as_tensor(cfg.lr_schedule(state.opt.count), dtype=torch.float64).to(state.device)
         return (base * _schedule_ratio(state).to(state.device)).to(torch.float32)
     return lrs.to(state.device, torch.float32)
