@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 import warnings
 
 import pytest
@@ -844,3 +845,38 @@ def test_a_backward_after_the_step_that_replaced_its_forwards_weights_is_refused
     engine.backward(nn.functional.cross_entropy(engine(x1), y1))
     engine.step()
     assert _diff(engine, expected) <= 1e-6
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_save_checkpoint_inside_an_accumulation_window_saves_the_last_step(stage, tmp_path):
+    """As DeepSpeed: a save inside an accumulation window keeps the weights and optimizer state of
+    the last step (the window's gradients are not saved); the saving engine goes on with its window
+    as if it had not saved, and an engine loading the checkpoint runs the window afresh to the
+    same weights."""
+    def micro(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return _data(i, 0)
+
+    def run(save: bool) -> tuple[dict, Any]:
+        engine, *_ = zfunc.initialize(model=_model(), config=_ds(stage, gas=2, world=1))
+        for i in range(3):
+            x, y = micro(i)
+            engine.backward(nn.functional.cross_entropy(engine(x), y))
+            engine.step()
+            if i == 2 and save:
+                engine.save_checkpoint(tmp_path, tag="mid")
+        x, y = micro(3)
+        engine.backward(nn.functional.cross_entropy(engine(x), y))
+        engine.step()
+        return zfunc.full_params(engine.state), engine
+
+    plain, _ = run(False)
+    saved, first = run(True)
+    assert all(torch.equal(plain[n], t) for n, t in saved.items())  # the save changed nothing
+    loader, *_ = zfunc.initialize(model=_model(), config=_ds(stage, gas=2, world=1))
+    loader.load_checkpoint(tmp_path, tag="mid")
+    assert loader.global_steps == 1 and loader.micro_steps == 2
+    for i in (2, 3):
+        x, y = micro(i)
+        loader.backward(nn.functional.cross_entropy(loader(x), y))
+        loader.step()
+    assert all(torch.equal(plain[n], t) for n, t in zfunc.full_params(loader.state).items())

@@ -112,3 +112,19 @@ def test_one_cycle_is_refused_where_it_cannot_run():
     with pytest.raises(zfunc.ConfigError, match="cycle_first_step_size: must be positive"):
         zfunc.initialize(model=nn.Linear(2, 1), config={"train_batch_size": 1, "scheduler": {
             "type": "OneCycle", "params": {**ONE_CYCLE["params"], "cycle_first_step_size": 0}}})
+
+
+def test_one_cycle_momentum_decaying_past_one_names_decay_mom_rate():
+    """After the cycle, ``decay_mom_rate`` raises beta1 each decay step; once it reaches 1 the
+    error names the scheduler's setting (DeepSpeed trains on with it), after the updates so far."""
+    engine, *_ = zfunc.initialize(model=nn.Linear(3, 2), config={
+        "train_batch_size": 2, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+        "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1,
+                                                     "cycle_first_step_size": 2, "decay_step_size": 1,
+                                                     "decay_mom_rate": 0.1}}})
+    x = torch.randn(2, 3)
+    with pytest.raises(zfunc.ConfigError, match=r"decay_mom_rate: OneCycle's momentum .* reached 1\.08"):
+        for _ in range(10):
+            engine.backward(engine(x).square().mean())
+            engine.step()
+    assert engine.global_steps == 6

@@ -8,7 +8,10 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from zfunc.core.config import Config
+from zfunc.core.state import accumulator_numel, host_flag, released_grads
 from zfunc.distributed import comm
 from zfunc.errors import CheckpointError, ConfigError
 from zfunc.io.checkpoint import agree, exists, load, read_extra, save
@@ -39,13 +42,23 @@ class Checkpoints:
                         save_latest: bool = True) -> bool:
         """Save to ``save_dir/tag`` (default tag ``global_step<N>``) and point ``latest`` at it.
 
-        Every rank writes its own pieces (`zfunc.save`); ``client_state`` is stored as is.
+        Every rank writes its own pieces (`zfunc.save`); ``client_state`` is stored as is. Inside
+        an accumulation window, as DeepSpeed, the window's gradients are not saved: the checkpoint
+        holds the weights and optimizer state of the last step (and the buffers as they are now),
+        loading it starts a window afresh, and this engine goes on with its window.
         """
         tag = _check_tag(tag if tag is not None else f"global_step{self.global_steps}")
         self._state = self._with_group_edits(self._state)  # the groups' lr as the optimizer shows it
-        extra = {"client_state": client_state, "micro_steps": self.micro_steps,
+        st, micro_steps = self._state, self.micro_steps
+        window = int(st.micro_step.item())
+        if window:
+            st = st.replace(grads=released_grads(accumulator_numel(st.cfg, st.layout), st.grads.dtype, st.device),
+                            micro_step=torch.zeros_like(st.micro_step), loss_sum=torch.zeros_like(st.loss_sum),
+                            reduced=host_flag(False))
+            micro_steps -= window
+        extra = {"client_state": client_state, "micro_steps": micro_steps,
                  "global_samples": self.global_samples, "lr_scheduler": self._torch_scheduler_state()}
-        save(self._state, os.path.join(os.fspath(save_dir), tag), extra=extra)
+        save(st, os.path.join(os.fspath(save_dir), tag), extra=extra)
         problem = None
         if save_latest and self._state.group.rank == 0:
             try:

@@ -111,6 +111,12 @@ class OneCycle:
         return lrs, moms
 
     def _write(self, lrs: list[float], moms: list[float]) -> None:
+        if self.cycle_momentum and any(m >= 1 for m in moms):
+            raise ConfigError(
+                f"scheduler.params.decay_mom_rate: OneCycle's momentum (Adam's beta1) reached {max(moms):.4g} after "
+                f"update {self.last_batch_iteration + 1} (cycle_max_mom * (1 + decay_mom_rate * k / decay_step_size) "
+                "grows past the cycle), and beta1 must stay below 1 (DeepSpeed trains on with it and diverges). "
+                "Use a smaller decay_mom_rate, 0, or cycle_momentum false; the updates so far are applied")
         for g, lr, mom in zip(self.optimizer.param_groups, lrs, moms):
             g["lr"] = lr
             if self.cycle_momentum:
