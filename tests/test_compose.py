@@ -10,11 +10,13 @@ anywhere (an input gradient, a penalty's second-order term, a micro-batch count)
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call, grad, hessian, jacrev, jvp, vmap
+from torch.func import functional_call, grad, hessian, jacrev, jvp, linearize, vmap
 
 import zfunc
 from tests.helpers import run_ranks, split
@@ -105,6 +107,14 @@ def forward_mode(model, batch):
     return _mse(model, batch) + 0.01 * jv.pow(2).mean() + 0.01 * h.pow(2).sum()
 
 
+def linearized(model, batch):
+    """``torch.func.linearize`` (a jvp traced by make_fx) w.r.t. the input, its tangent map penalised."""
+    with warnings.catch_warnings():  # torch's own make_fx constant folding warns on any module
+        warnings.filterwarnings("ignore", "Attempted to insert a get_attr Node", UserWarning)
+        out, tangent = linearize(model, batch["x"])
+    return F.mse_loss(out, batch["y"]) + 0.1 * tangent(torch.ones_like(batch["x"])).pow(2).mean()
+
+
 def per_sample(model, batch):
     """The torch.func per-sample-gradients recipe inside ``loss_fn`` (DP-SGD's clipping): each
     sample's gradient clipped to norm 0.5, their mean put on the parameters by a surrogate loss."""
@@ -126,7 +136,8 @@ def maml(model, batch):
 
 
 RECIPES = {"inplace": inplace, "penalty": penalty, "fgsm": fgsm, "jacobian_penalty": jacobian_penalty,
-           "hvps": hvps, "forward_mode": forward_mode, "per_sample": per_sample, "maml": maml}
+           "hvps": hvps, "forward_mode": forward_mode, "linearized": linearized, "per_sample": per_sample,
+           "maml": maml}
 # Recipes that need a parameter of the whole model at once: at stage 3 only with every parameter
 # in the root unit (gathered for the whole call).
 WHOLE_MODEL = {"per_sample", "maml"}
@@ -189,10 +200,12 @@ def test_fgsm_and_a_penalty_at_world_two_with_grad_accum_two(stage):
 
 
 def test_recipes_move_the_weights():
-    """Each recipe's extra term matters: its result differs from the plain loss's."""
+    """Each recipe's extra term matters: its result differs from the plain loss's (but
+    ``linearized``'s: torch's linearize traces the weights as constants, so its tangent map
+    carries no gradient to them, in torch and through zfunc alike; it checks that zfunc runs it)."""
     plain = _reference_plain()
     for name in RECIPES:
-        if name in ("inplace", "maml"):
+        if name in ("inplace", "maml", "linearized"):
             continue
         ref = _reference(name, 1, 1)
         assert max((ref[n] - plain[n]).abs().max().item() for n in ref) > 1e-4, name

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -68,3 +69,32 @@ def test_pullback_checks_the_cotangent():
         assert "cotangent shape [4, 2] differs from output shape [4, 3]" in str(e)
     else:
         raise AssertionError("a mis-shaped cotangent was accepted")
+
+
+def test_vjp_takes_outputs_as_torch_func_vjp_does():
+    """Outputs as torch's pytrees read them (a Hugging Face ``ModelOutput`` is one: returned
+    detached, its cotangent of the same form), an output that needs no gradient beside one that
+    does (its cotangent ignored, as torch.func.vjp does), and a non-tensor output refused naming
+    it; the parameter gradient is torch's (one SGD step of lr 1)."""
+    from transformers.modeling_outputs import SequenceClassifierOutput
+
+    def run(fn, cot):
+        torch.manual_seed(0)
+        state = zfunc.init(nn.Linear(2, 3), zfunc.Config(optimizer=zfunc.sgd(lr=1.0)))
+        out, pullback = zfunc.vjp(state, fn, torch.ones(4, 2))
+        new = zfunc.apply_step(pullback(cot(out)))
+        before, after = zfunc.full_params(state), zfunc.full_params(new)
+        return out, before["weight"] - after["weight"]
+
+    torch.manual_seed(0)
+    ref = nn.Linear(2, 3)
+    (ref(torch.ones(4, 2)) * 2).sum().backward()
+    out, g = run(lambda m, x: SequenceClassifierOutput(logits=m(x)),
+                 lambda o: SequenceClassifierOutput(logits=torch.full_like(o.logits, 2.0)))
+    assert isinstance(out, SequenceClassifierOutput) and not out.logits.requires_grad
+    assert torch.allclose(g, ref.weight.grad)
+    out, g = run(lambda m, x: (m(x), m(x).detach()), lambda o: (torch.full_like(o[0], 2.0), torch.ones_like(o[1])))
+    assert torch.allclose(g, ref.weight.grad)
+    state = zfunc.init(nn.Linear(2, 3), zfunc.Config())
+    with pytest.raises(TypeError, match=r"every output of the function must be a tensor .*\['int'\]"):
+        zfunc.vjp(state, lambda m, x: {"y": m(x), "n": 3}, torch.ones(4, 2))

@@ -356,7 +356,10 @@ class UnitGatherer:
         without ZeRO-3) or under the user's own saved-tensor hooks (activation checkpointing,
         ``save_on_cpu``), which then decide what is kept."""
         def pack(t: torch.Tensor) -> Any:
-            i = self.live.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+            try:
+                i = self.live.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+            except RuntimeError:  # no storage to read: a tensor of a trace (torch.func.linearize's make_fx)
+                i = None
             if i is None:
                 # Not the tensor itself: an op's saved output would hold its own node through it, a
                 # cycle through C++ no collector breaks (a graph dropped without backward would
@@ -384,7 +387,11 @@ def check_same_units(order: list[int], group: comm.Group) -> None:
     for i in order:
         h = (h * 1_000_003 + i + 1) % (1 << 61)
     seen = comm.all_reduce(torch.tensor([h, -h], dtype=torch.int64), "max", group)
-    if seen[0].item() != -seen[1].item():
+    try:
+        agree = seen[0].item() == -seen[1].item()
+    except RuntimeError:  # a traced forward (torch.func.linearize's make_fx) has no values to compare
+        return
+    if not agree:
         raise RuntimeError(
             f"stage 3: the ranks ran different units in this forward (this rank ran {len(order)}: "
             f"{order[:8]}...); every rank must run the same unit modules in the same order. Put modules "

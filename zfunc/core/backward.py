@@ -26,9 +26,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from zfunc.distributed import comm
-from zfunc._tree import tree
 from zfunc.autograd.average import Average, ranks_averaged
 from zfunc.autograd.bound import BoundModel
 from zfunc.autograd.buckets import Fold, reduce_group
@@ -313,7 +313,12 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
         wrt.append(args[i])
     model = bind(state, sinks, donate=donate, fold=fold)
     out = fn(model, *args)
-    outs, spec = tree.flatten(out)
+    # As torch.func.vjp reads outputs: torch's pytrees (a Hugging Face ModelOutput is one there)
+    outs, spec = pytree.tree_flatten(out)
+    odd = [type(o).__name__ for o in outs if not isinstance(o, torch.Tensor)]
+    if odd:
+        raise TypeError(f"vjp: every output of the function must be a tensor (a pytree of them, as torch.func.vjp "
+                        f"takes); got {odd[:3]}. Return the others through a closure, or from a second call")
     calls = {"n": 0, "retained": True}
 
     def pullback(cotangent: Any, *, retain_graph: bool = False, loss: torch.Tensor | None = None) -> Any:
@@ -323,7 +328,7 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
         if calls["n"] and donate:
             raise RuntimeError("pullback: a pullback of vjp(..., donate=True) may be called once (its "
                                "gradient buffer is the donated state's); use donate=False to call it again")
-        cots, cspec = tree.flatten(cotangent)
+        cots, cspec = pytree.tree_flatten(cotangent)
         if cspec != spec:
             raise ValueError(f"pullback: the cotangent's structure {cspec} differs from the output's {spec}")
         for o, c in zip(outs, cots):
@@ -341,7 +346,12 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
             a.grad = None
         calls["n"] += 1
         calls["retained"] = retain_graph
-        torch.autograd.backward(outs, [loss_scaled(state, c) for c in cots], retain_graph=retain_graph)
+        pairs = [(o, c) for o, c in zip(outs, cots) if o.requires_grad]  # (as torch.func.vjp: others give nothing)
+        if not pairs:
+            raise RuntimeError("pullback: no output of the function requires grad (all detached or computed "
+                               "without grad); nothing reaches the parameters")
+        torch.autograd.backward([o for o, _ in pairs], [loss_scaled(state, c) for _, c in pairs],
+                                retain_graph=retain_graph)
         check_sinks(sinks, state, grads)
         # Kept for another call: this result's buffers are a copy (a recomputation in the next
         # call's backward updates the call's buffers, BatchNorm's statistics, in place).
@@ -353,7 +363,7 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
             return new
         return new, tuple(torch.zeros_like(a) if a.grad is None else _unscaled(state, a.grad) for a in wrt)
 
-    return tree.map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out), pullback
+    return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out), pullback
 
 
 def _unscaled(state: TrainState, t: torch.Tensor) -> torch.Tensor:
