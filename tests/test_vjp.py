@@ -74,8 +74,8 @@ def test_pullback_checks_the_cotangent():
 def test_vjp_takes_outputs_as_torch_func_vjp_does():
     """Outputs as torch's pytrees read them (a Hugging Face ``ModelOutput`` is one: returned
     detached, its cotangent of the same form), an output that needs no gradient beside one that
-    does (its cotangent ignored, as torch.func.vjp does), and a non-tensor output refused naming
-    it; the parameter gradient is torch's (one SGD step of lr 1)."""
+    does (its cotangent ignored, as torch.func.vjp does), a None passed over, and a non-tensor
+    output refused naming it; the parameter gradient is torch's (one SGD step of lr 1)."""
     from transformers.modeling_outputs import SequenceClassifierOutput
 
     def run(fn, cot):
@@ -95,6 +95,8 @@ def test_vjp_takes_outputs_as_torch_func_vjp_does():
     assert torch.allclose(g, ref.weight.grad)
     out, g = run(lambda m, x: (m(x), m(x).detach()), lambda o: (torch.full_like(o[0], 2.0), torch.ones_like(o[1])))
     assert torch.allclose(g, ref.weight.grad)
+    out, g = run(lambda m, x: (m(x), None), lambda o: (torch.full_like(o[0], 2.0), None))  # None: no leaf to take
+    assert out[1] is None and torch.allclose(g, ref.weight.grad)
     state = zfunc.init(nn.Linear(2, 3), zfunc.Config())
     with pytest.raises(TypeError, match=r"every output of the function must be a tensor .*\['int'\]"):
         zfunc.vjp(state, lambda m, x: {"y": m(x), "n": 3}, torch.ones(4, 2))

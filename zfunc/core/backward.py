@@ -315,7 +315,7 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
     out = fn(model, *args)
     # As torch.func.vjp reads outputs: torch's pytrees (a Hugging Face ModelOutput is one there)
     outs, spec = pytree.tree_flatten(out)
-    odd = [type(o).__name__ for o in outs if not isinstance(o, torch.Tensor)]
+    odd = [type(o).__name__ for o in outs if not isinstance(o, torch.Tensor) and o is not None]
     if odd:
         raise TypeError(f"vjp: every output of the function must be a tensor (a pytree of them, as torch.func.vjp "
                         f"takes); got {odd[:3]}. Return the others through a closure, or from a second call")
@@ -332,7 +332,7 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
         if cspec != spec:
             raise ValueError(f"pullback: the cotangent's structure {cspec} differs from the output's {spec}")
         for o, c in zip(outs, cots):
-            if o.shape != c.shape:
+            if o is not None and o.shape != c.shape:
                 raise ValueError(f"pullback: cotangent shape {list(c.shape)} differs from output shape "
                                  f"{list(o.shape)}")
         if calls["n"]:  # an independent result: fresh gradient buffers behind the same sinks
@@ -346,7 +346,7 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
             a.grad = None
         calls["n"] += 1
         calls["retained"] = retain_graph
-        pairs = [(o, c) for o, c in zip(outs, cots) if o.requires_grad]  # (as torch.func.vjp: others give nothing)
+        pairs = [(o, c) for o, c in zip(outs, cots) if o is not None and o.requires_grad]  # (others give nothing)
         if not pairs:
             raise RuntimeError("pullback: no output of the function requires grad (all detached or computed "
                                "without grad); nothing reaches the parameters")
