@@ -825,6 +825,12 @@ def test_deepspeed_optimizer_defaults_are_deepspeeds():
         assert adam.weight_decay == 0.01 and adam.decoupled, kind
     fused = zfunc.Config.from_deepspeed({"train_batch_size": 4, "optimizer": {"type": "AdamW"}}).optimizer
     assert fused.weight_decay == 0.0
+    ignored = zfunc.Config.from_deepspeed({"train_batch_size": 4, "optimizer": {  # DeepSpeed's AdamW ignores it
+        "type": "AdamW", "params": {"adam_w_mode": False}}}).optimizer
+    assert ignored.decoupled
+    with pytest.raises(zfunc.ConfigError, match=r"scheduler\.params\.warmup_max_lr: expected a number"):
+        zfunc.Config.from_deepspeed({"train_batch_size": 4, "scheduler": {
+            "type": "WarmupLR", "params": {"warmup_max_lr": [0.1, 0.2]}}})
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -71,6 +71,11 @@ def test_pullback_checks_the_cotangent():
         raise AssertionError("a mis-shaped cotangent was accepted")
 
 
+@zfunc.tree.dataclasses.dataclass
+class _Out:
+    y: torch.Tensor
+
+
 def test_vjp_takes_outputs_as_torch_func_vjp_does():
     """Outputs as torch's pytrees read them (a Hugging Face ``ModelOutput`` is one: returned
     detached, its cotangent of the same form), an output that needs no gradient beside one that
@@ -97,6 +102,8 @@ def test_vjp_takes_outputs_as_torch_func_vjp_does():
     assert torch.allclose(g, ref.weight.grad)
     out, g = run(lambda m, x: (m(x), None), lambda o: (torch.full_like(o[0], 2.0), None))  # None: no leaf to take
     assert out[1] is None and torch.allclose(g, ref.weight.grad)
+    out, g = run(lambda m, x: _Out(y=m(x)), lambda o: _Out(y=torch.full_like(o.y, 2.0)))  # a zfunc dataclass
+    assert isinstance(out, _Out) and not out.y.requires_grad and torch.allclose(g, ref.weight.grad)
     state = zfunc.init(nn.Linear(2, 3), zfunc.Config())
     with pytest.raises(TypeError, match=r"every output of the function must be a tensor .*\['int'\]"):
         zfunc.vjp(state, lambda m, x: {"y": m(x), "n": 3}, torch.ones(4, 2))

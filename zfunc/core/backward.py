@@ -29,6 +29,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from zfunc.distributed import comm
+from zfunc._tree import tree
 from zfunc.autograd.average import Average, ranks_averaged
 from zfunc.autograd.bound import BoundModel
 from zfunc.autograd.buckets import Fold, reduce_group
@@ -313,8 +314,7 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
         wrt.append(args[i])
     model = bind(state, sinks, donate=donate, fold=fold)
     out = fn(model, *args)
-    # As torch.func.vjp reads outputs: torch's pytrees (a Hugging Face ModelOutput is one there)
-    outs, spec = pytree.tree_flatten(out)
+    outs, spec = _flat_out(out)
     odd = [type(o).__name__ for o in outs if not isinstance(o, torch.Tensor) and o is not None]
     if odd:
         raise TypeError(f"vjp: every output of the function must be a tensor (a pytree of them, as torch.func.vjp "
@@ -328,7 +328,7 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
         if calls["n"] and donate:
             raise RuntimeError("pullback: a pullback of vjp(..., donate=True) may be called once (its "
                                "gradient buffer is the donated state's); use donate=False to call it again")
-        cots, cspec = pytree.tree_flatten(cotangent)
+        cots, cspec = _flat_out(cotangent)
         if cspec != spec:
             raise ValueError(f"pullback: the cotangent's structure {cspec} differs from the output's {spec}")
         for o, c in zip(outs, cots):
@@ -363,7 +363,30 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
             return new
         return new, tuple(torch.zeros_like(a) if a.grad is None else _unscaled(state, a.grad) for a in wrt)
 
-    return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out), pullback
+    return pytree.tree_map(_detached, out), pullback
+
+
+def _flat_out(x: Any) -> tuple[list[Any], Any]:
+    """The leaves of a function's outputs and their structure, as torch.func.vjp reads them
+    (torch's pytrees: a Hugging Face ``ModelOutput`` is one there), a leaf of those that is a
+    zfunc pytree (a ``zfunc.tree.dataclasses.dataclass``) read by zfunc's."""
+    top, spec = pytree.tree_flatten(x)
+    leaves, inner = [], []
+    for leaf in top:
+        if isinstance(leaf, torch.Tensor) or leaf is None:
+            leaves.append(leaf)
+            inner.append(None)
+        else:
+            sub, sub_spec = tree.flatten(leaf)
+            leaves.extend(sub)
+            inner.append(sub_spec)
+    return leaves, (spec, tuple(inner))
+
+
+def _detached(t: Any) -> Any:
+    if isinstance(t, torch.Tensor):
+        return t.detach()
+    return t if t is None else tree.map(lambda u: u.detach() if isinstance(u, torch.Tensor) else u, t)
 
 
 def _unscaled(state: TrainState, t: torch.Tensor) -> torch.Tensor:

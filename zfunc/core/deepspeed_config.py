@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from zfunc.core import schedules
-from zfunc.errors import ConfigError
+from zfunc.errors import ConfigError, is_finite_number
 from zfunc.core.optim import AdagradConfig, AdamConfig, LionConfig, MuonConfig, ParamGroup, SGDConfig
 from zfunc.core.scaler import FLOAT32_MAX, DynamicLossScale
 
@@ -299,7 +299,8 @@ def _optimizer(ds: Mapping[str, Any]) -> tuple[Any, tuple[ParamGroup, ...]]:
                    kind)
     if record is AdamConfig:
         # DeepSpeed: "Adam" means AdamW unless adam_w_mode is false.
-        decoupled = _bool(params.pop("adam_w_mode", True), "optimizer.params.adam_w_mode") if kind.lower() == "adam" else True
+        mode = _bool(params.pop("adam_w_mode", True), "optimizer.params.adam_w_mode")
+        decoupled = mode if kind.lower() == "adam" else True  # (DeepSpeed's AdamW ignores adam_w_mode)
         if _bool(params.pop("torch_adam", False), "optimizer.params.torch_adam") and decoupled:
             params.setdefault("weight_decay", 0.01)  # DeepSpeed builds torch.optim.AdamW then: its default
         params["decoupled"] = decoupled
@@ -348,6 +349,11 @@ def _scheduler(ds: Mapping[str, Any], lr: float) -> Any:
                           "formula, or set lr and betas per step with zfunc.set_hyperparams")
     if kind not in factories:
         raise _err("scheduler.type", f"one of {sorted(factories)} (OneCycle and LRRangeTest: in the engine)", kind)
+    for key in ("warmup_min_lr", "warmup_max_lr"):
+        if key in params and not is_finite_number(params[key]):
+            raise _err(f"scheduler.params.{key}", "a number (zfunc takes no per-group lists: give each "
+                       "ParamGroup its lr, and leave warmup_max_lr out for WarmupLR to rise to each group's own)",
+                       params[key])
     last = params.pop("last_batch_iteration", -1)
     if not (isinstance(last, int) and not isinstance(last, bool) and last >= -1):
         raise _err("scheduler.params.last_batch_iteration", "an integer of at least -1", last)
