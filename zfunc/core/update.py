@@ -59,7 +59,7 @@ def learning_rates(state: TrainState) -> torch.Tensor:
     if cfg.lr_schedule is not None:
         per_group = getattr(cfg.lr_schedule, "per_group", None)  # a schedule with a rule per group of its own
         if per_group is not None:
-            return per_group(state.opt.count, state.hyper.lr).to(state.device, torch.float32)
+            return per_group(state.opt.count, lrs).to(state.device, torch.float32)
         base = torch.as_tensor(cfg.lr_schedule(state.opt.count), dtype=torch.float64).to(state.device)
         return (base * _schedule_ratio(state).to(state.device)).to(torch.float32)
     return lrs.to(state.device, torch.float32)
