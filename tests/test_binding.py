@@ -583,7 +583,7 @@ def test_a_stage3_graph_dropped_without_backward_goes_with_its_hooks():
 
 def test_a_stage3_call_after_remove_is_refused():
     """``binding.remove()`` takes the hooks that gather stage 3's units: a call of any state
-    sharing the binding refuses (it ran on the module's own tensors, silently), naming the cause
+    sharing the binding refuses, naming the cause
     and the fix; at stages 1-2 the units run unbound and training goes on."""
     x = torch.randn(3, 4)
     for stage in (1, 3):

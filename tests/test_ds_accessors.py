@@ -171,7 +171,7 @@ def _edit_one_bf16(rank: int, stage: int) -> tuple[int, float, float]:
 
 def test_a_bf16_edit_in_gathered_parameters_keeps_the_other_masters():
     """With bf16 compute copies and fp32 masters, what the modifier rank writes becomes the master;
-    the elements it did not write keep their fp32 masters bitwise (they were rounded through the
+    the elements it did not write keep their fp32 masters bitwise (none is rounded through the
     bf16 copy), at every stage."""
     for stage in (0, 1, 2, 3):
         for changed, edited, written in run_ranks(_edit_one_bf16, 2, stage):

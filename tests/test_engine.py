@@ -707,8 +707,8 @@ def test_a_copy_of_the_engine_state_outlives_the_engine():
 @pytest.mark.parametrize("stage, units", [(0, None), (1, None), (2, None), (2, ["0", "2"])])
 def test_a_state_made_from_the_engines_module_trains_on_its_own(stage, units):
     """``zfunc.init(engine.module, ...)`` (``init`` may take a module again): that state's calls
-    run on its own tensors and gradients, not routed to the engine's state (which took them, and
-    trained on them at its next ``step()``, silently); the engine trains on as before."""
+    run on its own tensors and gradients, not routed to the engine's state (whose next ``step()``
+    finds no backward); the engine trains on as plain torch."""
     engine, *_ = zfunc.initialize(model=_model(), config=_ds(stage, world=1))
     state = zfunc.init(engine.module, zfunc.Config(stage=stage, units=units, optimizer=zfunc.sgd(lr=1.0)))
     ref = _model()

@@ -496,7 +496,7 @@ def test_an_ema_of_states_runs_on_its_own_weights():
     forward (``gathered`` False). An EMA made with zfunc.tree's map functions by a function that
     keeps its own non-float leaves is not gathered either (`TrainState.combined`): its next
     forward gathers the EMA's own slices, and computes what plain torch does on its weights, on
-    every rank (before, it ran on a mix of stale slices: 0.09 off at world 2)."""
+    every rank."""
     for world in (2, 3):
         for stage in (1, 2):
             for how in ("map", "map_", "map_with_path"):
@@ -599,8 +599,8 @@ def test_a_state_with_schedules_and_groups_pickles_and_maps_over_its_copy():
 
 def test_a_pickled_state_holds_its_master_weights_once():
     """In fp32 at stages 1-2 ``params`` (this rank's master slice) views ``compute``: the
-    unpickled state keeps it a view (torch pickles each tensor's storage apart: it held the
-    weights twice), trains the same, and its memory report is the original's."""
+    unpickled state keeps it a view (torch pickles each tensor's storage apart, so the state says
+    where in ``compute``), trains the same, and its memory report is the original's."""
     import pickle
 
     make, loss_fn, batch_fn = MODELS["zoo"]
