@@ -164,3 +164,44 @@ def test_bf16_gradients_accumulate_into_the_fp32_accumulator(stage, kernel, monk
     got = state.layout.views(state.layout.units[0], state.grads)
     for n in expected:
         assert torch.equal(got[n], expected[n]), n
+
+
+def test_accumulate_scales_in_float32_and_rounds_to_the_reduce_dtype_once():
+    """``accumulate`` multiplies by ``scale / (grad_accum * world)`` as ``backward_step`` does: a
+    2**16 scale with fp16 reduces does not overflow (2**16 is past fp16's range), and bf16 reduces
+    with grad_accum 3 keep the mean (no rounded 1/3)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(7, 1)
+    cfg = zfunc.Config(stage=0, precision="fp16", loss_scale=2.0**16, comm_dtype=torch.float16,
+                       optimizer=zfunc.sgd(lr=0.1))
+    state = zfunc.accumulate(zfunc.init(model, cfg), {"weight": torch.full((1, 7), 1e-3), "bias": torch.zeros(1)})
+    state = zfunc.apply_step(state)
+    assert state.metrics.skipped.item() == 0
+    moved = zfunc.full_params(state)["weight"].double() - model.weight.detach().double()
+    assert torch.allclose(moved, torch.full_like(moved, -1e-4), rtol=1e-3), moved
+    g = torch.Generator().manual_seed(1)
+    wide = torch.nn.Linear(1024, 4)
+    micro = [{"weight": torch.randn(4, 1024, generator=g), "bias": torch.randn(4, generator=g)} for _ in range(3)]
+    state = zfunc.init(wide, zfunc.Config(stage=0, grad_accum=3, comm_dtype=torch.bfloat16))
+    for m in micro:
+        state = zfunc.accumulate(state, m)
+    got = state.layout.views(state.layout.units[0], state.grads)["weight"].double()
+    exact = sum(m["weight"].double() for m in micro) / 3
+    # each micro-batch's contribution rounded to bf16 once (2**-9 relative), and no bias: a
+    # factor rounded to bf16 (1/3 -> 0.33398) made every gradient 0.2% larger
+    assert ((got - exact).abs() <= 3 * 2.0**-9 * sum(m["weight"].double().abs() for m in micro) / 3).all()
+    assert abs(got.abs().sum().item() / exact.abs().sum().item() - 1) < 2e-4
+
+
+def test_fp16_weights_under_bf16_autocast_take_a_loss_scale():
+    """fp16 weights have fp16 gradients whatever autocast computes in: a loss scale is theirs
+    (DeepSpeed: ``fp16`` with ``torch_autocast`` bf16); DeepSpeed's fp16 ``torch_autocast`` alone
+    scales with torch's ``GradScaler()``."""
+    cfg = zfunc.Config(precision="fp16", autocast=torch.bfloat16, loss_scale=zfunc.DynamicLossScale())
+    assert cfg.loss_scale.rule == "deepspeed"
+    ds = zfunc.Config.from_deepspeed({"train_batch_size": 1, "fp16": {"enabled": True},
+                                      "torch_autocast": {"enabled": True, "dtype": "bfloat16"}})
+    assert ds.precision == "fp16" and ds.autocast == torch.bfloat16 and ds.loss_scale.hysteresis == 2
+    ds = zfunc.Config.from_deepspeed({"train_batch_size": 1, "torch_autocast": {"enabled": True, "dtype": "fp16"}})
+    assert (ds.loss_scale.rule, ds.loss_scale.init, ds.loss_scale.window, ds.loss_scale.hysteresis) == \
+        ("grad_scaler", 2.0**16, 2000, 1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -114,3 +115,26 @@ def test_static_scale_never_moves_but_counts_skips():
     cfg = zfunc.Config(precision="fp16", loss_scale=128.0)
     scales, s = _scales(cfg, [1, 0, 1, 0])
     assert scales == [128.0] * 4 and s.skipped.item() == 2
+
+
+@settings(max_examples=100, deadline=None)
+@given(init_pow=st.integers(0, 20), window=st.integers(1, 5), overflows=st.lists(st.booleans(), min_size=1, max_size=40))
+def test_grad_scaler_rule_matches_torch_amp_update_scale(init_pow, window, overflows):
+    """``rule="grad_scaler"`` against torch's own update (``torch._amp_update_scale_``, what
+    ``torch.amp.GradScaler.update`` runs): halve at every overflow, double at every window-th
+    clean step in a row."""
+    cfg = zfunc.Config(precision="fp16", loss_scale=zfunc.DynamicLossScale(
+        init=2.0**init_pow, window=window, hysteresis=1, min_scale=1.2e-38, rule="grad_scaler"))
+    scale, tracker = torch.tensor(2.0**init_pow), torch.tensor(0, dtype=torch.int32)
+    s = scaler_init(cfg)
+    for t, o in enumerate(overflows):
+        torch._amp_update_scale_(scale, tracker, torch.tensor(float(o)), 2.0, 0.5, window)
+        s = scaler_update(s, torch.tensor(float(o)), cfg, torch.tensor(t))
+        assert s.scale.item() == scale.item(), (t, overflows[:t + 1])
+
+
+def test_grad_scaler_rule_takes_no_hysteresis():
+    with pytest.raises(zfunc.ConfigError, match="hysteresis=1"):
+        zfunc.DynamicLossScale(rule="grad_scaler")  # hysteresis 2 by default
+    with pytest.raises(zfunc.ConfigError, match="loss_scale.rule"):
+        zfunc.DynamicLossScale(rule="torch")

@@ -436,7 +436,10 @@ def accumulate(state: TrainState, grads: dict[str, torch.Tensor], *, loss: torch
             if g is not None and tuple(g.shape) != s.shape:
                 raise ValueError(f"accumulate: gradient of {s.name!r} has shape {list(g.shape)}, "
                                  f"expected {list(s.shape)}")
-        flat = lay.flatten_unit(unit, grads, cfg.reduce_dtype, state.device).mul_(factor.to(cfg.reduce_dtype))
+        # scaled in float32 at least and rounded to the reduce dtype once (a 16-bit factor would
+        # round 1/3, and 2**16 is past float16's range)
+        wide = torch.promote_types(cfg.reduce_dtype, torch.float32)
+        flat = lay.flatten_unit(unit, grads, wide, state.device).mul_(factor.to(wide)).to(cfg.reduce_dtype)
         if cfg.shards_grads:
             flat = comm.reduce_scatter(flat, "sum", state.mesh.shard)
         unit_grads.append(flat.to(cfg.grad_accum_dtype))

@@ -178,9 +178,11 @@ class Config:
         if self.offload_optimizer is not None and self.stage == 0:
             raise ConfigError("offload_optimizer: needs stage 1, 2 or 3 (stage 0 keeps the whole optimizer state "
                               "on every rank; shard it first, then offload the shard)")
-        if (self.precision == "bf16" or self.autocast == torch.bfloat16) and self.loss_scale is not None:
-            raise ConfigError("loss_scale: bf16 needs no loss scaling (its range is fp32's); "
-                              "set loss_scale=None, or use precision='fp16'")
+        # (fp16 weights have fp16 gradients, whatever autocast computes in: they need one)
+        if (self.precision == "bf16" or self.autocast == torch.bfloat16 and self.precision != "fp16") \
+                and self.loss_scale is not None:
+            raise ConfigError("loss_scale: bf16 needs no loss scaling (its range is fp32's); set loss_scale=None, "
+                              "or use precision='fp16' (fp16 weights, whose gradients need one)")
 
     @property
     def compute_dtype(self) -> torch.dtype:

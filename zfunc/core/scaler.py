@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zfunc._tree import dataclass
-from zfunc.errors import check, is_finite_number, is_positive_int
+from zfunc.errors import ConfigError, check, is_finite_number, is_positive_int
 
 if TYPE_CHECKING:
     from zfunc.core.config import Config
@@ -36,10 +36,18 @@ FLOAT32_MAX = 3.4028234663852886e38
 
 @dataclasses.dataclass(frozen=True)
 class DynamicLossScale:
-    """DeepSpeed's dynamic loss scale for fp16 (growth factor 2, hysteresis, minimum).
+    """A dynamic loss scale for fp16 (growth factor 2, hysteresis, minimum).
 
-    The scale starts at ``init``; after ``window`` clean steps it doubles; an overflow first
-    consumes hysteresis and then halves it, never below ``min_scale``.
+    The scale starts at ``init``; an overflow first consumes hysteresis and then halves it,
+    never below ``min_scale``; clean steps double it. When, is ``rule``'s:
+
+    - ``"deepspeed"`` (DeepSpeed's ZeRO rule, the module docstring): at the ``window + 1``-th
+      clean step after an overflow, and every ``window`` clean steps from then on;
+    - ``"grad_scaler"`` (``torch.amp.GradScaler``'s, which DeepSpeed uses under fp16
+      ``torch_autocast``): at every ``window``-th clean step in a row (its ``growth_interval``),
+      counted from the start or the last overflow; every overflow halves the scale
+      (``hysteresis=1``). ``DynamicLossScale(init=2.0**16, window=2000, hysteresis=1,
+      min_scale=1.2e-38, rule="grad_scaler")`` is ``GradScaler()``'s defaults.
 
     Examples:
         >>> import zfunc
@@ -52,8 +60,14 @@ class DynamicLossScale:
     hysteresis: int = 2
     min_scale: float = 1.0
     consecutive_hysteresis: bool = False
+    rule: str = "deepspeed"
 
     def __post_init__(self) -> None:
+        check(self.rule in ("deepspeed", "grad_scaler"), "loss_scale.rule", '"deepspeed" or "grad_scaler"', self.rule)
+        if self.rule == "grad_scaler" and (self.hysteresis != 1 or self.consecutive_hysteresis):
+            raise ConfigError("loss_scale.hysteresis: torch.amp.GradScaler's rule (rule='grad_scaler') halves the "
+                              "scale at every overflow; set hysteresis=1 and consecutive_hysteresis=False, or use "
+                              "rule='deepspeed'")
         check(is_finite_number(self.init) and 0 < self.init <= FLOAT32_MAX,
               "loss_scale.init", "a number in (0, 3.4e38]", self.init)
         check(is_positive_int(self.window), "loss_scale.window", "a positive integer", self.window)
@@ -139,8 +153,11 @@ def scaler_update(s: ScalerState, found_inf: torch.Tensor, cfg: Config, step: to
     halved = torch.clamp(s.scale / 2, min=ls.min_scale)
     h_after_overflow = torch.where(halve, s.hysteresis, s.hysteresis - 1)
     # Clean branch.
-    k = step - s.last_overflow - 1
-    grow = (~overflow) & (k > 0) & (k % ls.window == 0)
+    if ls.rule == "grad_scaler":  # the window-th clean step in a row (GradScaler's growth tracker)
+        grow = (~overflow) & ((step - s.last_overflow) % ls.window == 0)
+    else:
+        k = step - s.last_overflow - 1
+        grow = (~overflow) & (k > 0) & (k % ls.window == 0)
     if ls.consecutive_hysteresis:
         h_clean = full
     else:
