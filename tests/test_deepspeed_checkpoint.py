@@ -168,3 +168,62 @@ def test_a_deepspeed_muon_checkpoint_is_refused_by_name_and_its_weights_load(mon
 
     out = convert(path, tmp_path / "m.safetensors")  # weights whatever the optimizer
     assert out and all(os.path.exists(f) for f in out)
+
+
+def _pad_for_alignment(src: str, dst: str, align: int) -> list[int]:
+    """Rewrite the ZeRO-2 fixture ``src`` at ``dst`` as DeepSpeed lays it out with
+    ``zero_optimization.parameter_alignment`` (``stage_1_and_2.py``): every parameter of the group
+    but the last followed by zeros up to a multiple of ``align`` elements, the paddings recorded as
+    ``param_alignment_paddings``; the flat buffer split evenly over the two ranks, the last
+    rank's part ending with the group's padding. Returns the paddings."""
+    import math
+    import shutil
+
+    from zfunc.io.deepspeed_checkpoint import _STAND_INS, _load
+
+    shutil.copytree(src, dst)
+    tag = os.path.join(dst, "global_step3")
+    truth = read_deepspeed(src)
+    shapes = _load(os.path.join(tag, "mp_rank_00_model_states.pt"))["param_shapes"][0]
+    names, pads, end = list(shapes), [], 0
+    for i, name in enumerate(names):
+        end += math.prod(shapes[name])
+        pads.append(0 if i == len(names) - 1 else -end % align)
+        end += pads[-1]
+    world = 2
+    total = -(-end // (2 * world)) * (2 * world)
+
+    def flat(values: dict[str, torch.Tensor]) -> torch.Tensor:
+        parts = [t for n, p in zip(names, pads) for t in (values[n].reshape(-1).float(), torch.zeros(p))]
+        out = torch.cat(parts)
+        return torch.cat([out, torch.zeros(total - out.numel())])
+
+    master, mu, nu = flat(truth.master), flat(truth.moments["exp_avg"]), flat(truth.moments["exp_avg_sq"])
+    size = total // world
+    for r in range(world):
+        f = os.path.join(tag, f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+        with torch.serialization.safe_globals(_STAND_INS):
+            sd = torch.load(f, map_location="cpu", weights_only=True)
+        o, lo = sd["optimizer_state_dict"], r * size
+        pad = max(0, min(size, lo + size - end))
+        o.update(group_paddings=[pad], param_alignment_paddings=[pads], loss_scaler=None, zero_stage=int(o["zero_stage"]),
+                 single_partition_of_fp32_groups=[master[lo:lo + size - pad].clone()])
+        o.pop("param_slice_mappings", None)
+        o["base_optimizer_state"]["state"][0].update(exp_avg=mu[lo:lo + size].clone(), exp_avg_sq=nu[lo:lo + size].clone())
+        torch.save(sd, f)
+    return pads
+
+
+def test_a_deepspeed_checkpoint_with_parameter_alignment_skips_the_paddings(tmp_path):
+    """``param_alignment_paddings`` (between the parameters of a group's flat buffer) are skipped
+    as DeepSpeed's ``zero_to_fp32`` skips them: masters and moments come out as without them."""
+    src = os.path.join(HERE, "zero2_fp32")
+    pads = _pad_for_alignment(src, str(tmp_path / "aligned"), align=4)  # fp32: 16 bytes
+    assert sum(pads) > 0, pads
+    truth, got = read_deepspeed(src), read_deepspeed(str(tmp_path / "aligned"))
+    for name in truth.master:
+        assert torch.equal(got.master[name], truth.master[name]), name
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(got.moments[moment][name], truth.moments[moment][name]), (name, moment)
+    state = zfunc.load(str(tmp_path / "aligned"), like=zfunc.init(Small(), _config(2, 1)))
+    assert all(torch.equal(t, truth.master[n]) for n, t in zfunc.full_params(state).items())

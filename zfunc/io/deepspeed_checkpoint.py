@@ -184,8 +184,15 @@ def _stage12(optims: list[dict], shapes: list[dict[str, Any]], where: str) -> di
     keys = _moment_keys([o["base_optimizer_state"]["state"].get(g, {}) for o in optims for g in range(len(shapes))])
     out: dict[str, dict[str, list]] = {"master": {}, **{k: {} for k in keys}}
     named: dict[str, Any] = {}
+    # With zero_optimization.parameter_alignment, each parameter but the group's last is followed
+    # by its padding in the flat buffer (DeepSpeed's zero_to_fp32 skips it likewise)
+    aligned = optims[0].get("param_alignment_paddings")
     for g, group_shapes in enumerate(shapes):
         pads = [o.get("group_paddings", [0] * len(shapes))[g] for o in optims]
+        gaps = list(aligned[g]) if aligned is not None and g < len(aligned) else [0] * len(group_shapes)
+        if len(gaps) != len(group_shapes):
+            raise CheckpointError(f"{where}: param_alignment_paddings has {len(gaps)} entries for group {g}, whose "
+                                  f"param_shapes list {len(group_shapes)} parameters: the files do not belong together")
         for role in out:
             ranks = [o["single_partition_of_fp32_groups"][g] if role == "master"
                      else o["base_optimizer_state"]["state"][g][role] for o in optims]
@@ -193,7 +200,7 @@ def _stage12(optims: list[dict], shapes: list[dict[str, Any]], where: str) -> di
             lengths = [t.numel() - (0 if role == "master" else pad) for t, pad in zip(ranks, pads)]
             starts = [sum(lengths[:r]) for r in range(len(ranks))]
             at = 0
-            for name, shape in group_shapes.items():
+            for (name, shape), gap in zip(group_shapes.items(), gaps):
                 n = math.prod(shape)
                 pieces = []
                 for t, lo, length in zip(ranks, starts, lengths):
@@ -205,7 +212,10 @@ def _stage12(optims: list[dict], shapes: list[dict[str, Any]], where: str) -> di
                                           f"recorded in param_shapes ({name!r} is cut short)")
                 out[role][name] = pieces
                 named[name] = shape
-                at += n
+                at += n + gap
+            if at > sum(lengths):
+                raise CheckpointError(f"{where}: the {role} pieces of group {g} hold {sum(lengths)} elements, fewer "
+                                      f"than its parameters and their alignment paddings ({at})")
     return {role: _Lazy(pieces, named) for role, pieces in out.items()}
 
 
