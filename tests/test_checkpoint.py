@@ -299,3 +299,129 @@ def test_a_missing_tag_lists_what_is_there(tmp_path):
     (tmp_path / "half" / "__0_0.distcp").write_bytes(b"")
     with pytest.raises(zfunc.CheckpointError, match="a save to it was interrupted"):
         engine.load_checkpoint(tmp_path, tag="half")
+
+
+def _flip_a_bit_of(path: str, values: torch.Tensor) -> None:
+    """Flip one bit inside the stored bytes of ``values`` (their first four elements) in the
+    checkpoint directory ``path``."""
+    import glob
+
+    for f in glob.glob(os.path.join(path, "*.distcp")):
+        with open(f, "rb") as file:
+            data = bytearray(file.read())
+        at = bytes(data).find(values.reshape(-1)[:4].numpy().tobytes())
+        if at >= 0:
+            data[at + 1] ^= 0x40
+            with open(f, "wb") as file:
+                file.write(bytes(data))
+            return
+    raise AssertionError("values not found in the checkpoint")
+
+
+def test_export_and_convert_refuse_a_damaged_checkpoint(tmp_path):
+    """Reading weights out of a checkpoint directory checks every piece's CRC-32 as `load` does,
+    and every failure is a `CheckpointError` (a truncated file, a missing `.metadata`)."""
+    import glob
+    import shutil
+
+    from zfunc.io.convert import convert, main
+
+    state = _fresh(3, False)
+    path = zfunc.save(state, str(tmp_path / "ckpt"))
+    _flip_a_bit_of(path, max(zfunc.full_params(state).values(), key=torch.Tensor.numel))  # random values
+    for read in (lambda: zfunc.load(path, like=state), lambda: zfunc.export(path, str(tmp_path / "a.safetensors")),
+                 lambda: convert(path, str(tmp_path / "b.safetensors"), progress=False)):
+        with pytest.raises(zfunc.CheckpointError, match="damaged pieces"):
+            read()
+    assert main([path, str(tmp_path / "c.safetensors")]) == 2
+    whole = zfunc.save(state, str(tmp_path / "whole"))
+    cut = str(tmp_path / "cut")
+    shutil.copytree(whole, cut)
+    f = glob.glob(os.path.join(cut, "*.distcp"))[0]
+    os.truncate(f, 100)  # (export reads only the weights: cut into them)
+    gone = str(tmp_path / "gone")
+    shutil.copytree(whole, gone)
+    os.remove(os.path.join(gone, ".metadata"))
+    for where in (cut, gone):
+        for read in (lambda: zfunc.export(where, str(tmp_path / "d.safetensors")),
+                     lambda: convert(where, str(tmp_path / "e.safetensors"), progress=False)):
+            with pytest.raises(zfunc.CheckpointError, match="damaged or incomplete|damaged pieces"):
+                read()
+        assert main([where, str(tmp_path / "f.safetensors")]) == 2
+
+
+def test_weights_only_loads_whatever_optimizer_or_precision_saved_the_checkpoint(tmp_path):
+    """``weights_only`` (and the engine's ``load_module_only``) reads the weights alone: another
+    optimizer, group optimizer or moment dtype in the checkpoint does not matter, and the RNG stays
+    the caller's. Frozen parameters and buffers saved in another dtype (another ``precision``) are
+    cast, with or without ``weights_only``."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.BatchNorm1d(5), torch.nn.Linear(5, 2))
+    model[0].requires_grad_(False)
+    saved = zfunc.init(model, zfunc.Config(stage=2, optimizer=zfunc.adamw(lr=1e-2)))
+    saved, _ = zfunc.backward_step(saved, lambda m, x: m(x).square().sum(), torch.randn(4, 3))
+    saved = zfunc.apply_step(saved)
+    path = zfunc.save(saved, str(tmp_path / "ckpt"))
+    full = zfunc.full_params(saved)
+    for cfg in (zfunc.Config(stage=2, optimizer=zfunc.sgd(lr=0.1, momentum=0.9)),
+                zfunc.Config(stage=1, optimizer=zfunc.lion(lr=1e-3), moment_dtype=torch.bfloat16)):
+        like = zfunc.init(model, cfg)
+        kept = snapshot((like.opt, like.step, like.scaler))
+        rng = torch.get_rng_state()
+        got = zfunc.load(path, like=like, weights_only=True)
+        assert torch.equal(rng, torch.get_rng_state())
+        assert all(torch.equal(t, full[n]) for n, t in zfunc.full_params(got).items())
+        assert torch.equal(got.buffers["1.running_mean"], saved.buffers["1.running_mean"])
+        assert bitwise_equal(kept, snapshot((got.opt, got.step, got.scaler)))
+        with pytest.raises(zfunc.CheckpointError, match="optimizer is adam"):
+            zfunc.load(path, like=like)
+    bf16 = zfunc.init(model, zfunc.Config(stage=2, precision="bf16", optimizer=zfunc.adamw(lr=1e-2)))
+    got = zfunc.load(path, like=bf16)
+    assert got.frozen["0.weight"].dtype == torch.bfloat16
+    assert torch.equal(got.frozen["0.weight"], saved.frozen["0.weight"].to(torch.bfloat16))
+    assert torch.equal(got.buffers["1.running_var"], saved.buffers["1.running_var"].to(torch.bfloat16))
+
+
+def _failed_engine_loads(rank: int, save_dir: str) -> dict:
+    """An engine checkpoint loaded where it cannot be: one `zfunc.save` wrote (no engine record),
+    one of another torch scheduler. Each refusal leaves the engine as it was."""
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+
+    def engine(kind):
+        torch.manual_seed(0)
+        model = MODELS["gpt"][0]()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = (torch.optim.lr_scheduler.StepLR(opt, 1) if kind == "step" else torch.optim.lr_scheduler.SequentialLR(
+            opt, [torch.optim.lr_scheduler.ConstantLR(opt), torch.optim.lr_scheduler.StepLR(opt, 1)], [2]))
+        e, *_ = zfunc.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=cfg)
+        e.backward(MODELS["gpt"][1](e, _batch(rank, rank, 2)))
+        e.step()
+        return e
+
+    saved = engine("step")
+    saved.save_checkpoint(os.path.join(save_dir, "engine"))
+    zfunc.save(saved.state, os.path.join(save_dir, "plain", "mytag"))
+    out = {}
+    for name, where, kind in (("plain", "plain", "step"), ("scheduler", "engine", "sequential")):
+        e = engine(kind)
+        e.backward(MODELS["gpt"][1](e, _batch(5, rank, 2)))
+        e.step()
+        before = (snapshot(e.state), e.global_steps, e.micro_steps, e.lr_scheduler.state_dict()["last_epoch"])
+        try:
+            e.load_checkpoint(os.path.join(save_dir, where), tag="mytag" if where == "plain" else None)
+            out[name] = "loaded"
+        except zfunc.CheckpointError as err:
+            after = (snapshot(e.state), e.global_steps, e.micro_steps, e.lr_scheduler.state_dict()["last_epoch"])
+            out[name] = (str(err), bitwise_equal(before[0], after[0]) and before[1:] == after[1:])
+    e = engine("step")
+    e.load_checkpoint(os.path.join(save_dir, "plain"), tag="mytag", load_module_only=True)
+    out["module_only"] = bitwise_equal([e.state.params], [saved.state.params])
+    return out
+
+
+def test_a_failed_engine_load_leaves_the_engine_as_it_was(tmp_path):
+    for r in run_ranks(_failed_engine_loads, 2, str(tmp_path)):
+        assert "not a checkpoint engine.save_checkpoint wrote" in r["plain"][0] and r["plain"][1], r["plain"]
+        assert "does not fit SequentialLR" in r["scheduler"][0] and r["scheduler"][1], r["scheduler"]
+        assert r["module_only"]

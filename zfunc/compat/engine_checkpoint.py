@@ -109,6 +109,8 @@ class Checkpoints:
                          "client_state": ck.client_state}
             else:
                 extra = read_extra(path)
+            if not load_module_only:
+                _check_engine_extra(extra, path)
         except CheckpointError as e:
             problem = str(e)
         agree(problem, self._state.group)  # a rank that cannot read it stops every rank, now
@@ -121,14 +123,14 @@ class Checkpoints:
             loaded = loaded.replace(opt=current.opt, group_opts=current.group_opts, hyper=current.hyper,
                                     scaler=dataclasses.replace(current.scaler, skipped=loaded.scaler.skipped))
         _check_hyper_everywhere(loaded)
+        stored = None if load_module_only else extra.get("lr_scheduler")
+        if load_lr_scheduler_states and stored is not None and hasattr(self.lr_scheduler, "load_state_dict"):
+            _load_scheduler(self.lr_scheduler, stored, path, self._state.group)  # (whole, or not at all)
         self.state = loaded
         self.optimizer.write_back()  # the loaded hyperparameters (e.g. a hand-set lr) in the groups
         if not load_module_only:
             self.micro_steps, self.global_samples = extra["micro_steps"], extra["global_samples"]
-            stored = extra.get("lr_scheduler")
-            if load_lr_scheduler_states and stored is not None and hasattr(self.lr_scheduler, "load_state_dict"):
-                self.lr_scheduler.load_state_dict(stored)
-        return path, extra["client_state"]
+        return path, (extra or {}).get("client_state") if load_module_only else extra["client_state"]
 
     def _check_load_keywords(self, strict: bool, optimizer_states: bool, scheduler_states: bool,
                              module_only: bool, custom_load_fn: Any) -> None:
@@ -152,6 +154,39 @@ class Checkpoints:
         sched = self.lr_scheduler
         stateful = hasattr(sched, "state_dict") and hasattr(sched, "load_state_dict")
         return sched.state_dict() if stateful else None
+
+
+def _check_engine_extra(extra: Any, path: str) -> None:
+    """An engine checkpoint's own record (``extra.pt``: counters, scheduler, client state).
+
+    Raises:
+        CheckpointError: it is not one (a checkpoint `zfunc.save` wrote without it)."""
+    missing = [k for k in ("micro_steps", "global_samples", "client_state") if not isinstance(extra, dict) or k not in extra]
+    if missing:
+        raise CheckpointError(
+            f"{path}: not a checkpoint engine.save_checkpoint wrote (its extra.pt lacks {missing}: zfunc.save wrote "
+            "it?). Load its weights with load_module_only=True, or the whole state with zfunc.load(path, "
+            "like=engine.state) and assign engine.state. Nothing was loaded")
+
+
+def _load_scheduler(scheduler: Any, stored: Any, path: str, group: Any) -> None:
+    """``scheduler.load_state_dict(stored)`` on every rank, or on none: a rank where it fails
+    (a checkpoint of another scheduler) puts the scheduler back as it was, and every rank raises.
+
+    Raises:
+        CheckpointError: naming the scheduler and the cause."""
+    before, problem = scheduler.state_dict(), None
+    try:
+        scheduler.load_state_dict(stored)
+    except Exception as e:  # noqa: BLE001 - whatever another scheduler's state makes of this one
+        problem = (f"{path}: the lr scheduler's state does not fit {type(scheduler).__name__} ({type(e).__name__}: "
+                   f"{e}): a checkpoint of another scheduler? Pass load_lr_scheduler_states=False to keep this one's. "
+                   "Nothing was loaded")
+    try:
+        agree(problem, group)
+    except CheckpointError:
+        scheduler.load_state_dict(before)
+        raise
 
 
 def _check_hyper_everywhere(state: TrainState) -> None:

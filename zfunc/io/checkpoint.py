@@ -301,7 +301,10 @@ def read_extra(path: str | os.PathLike) -> Any:
         raise CheckpointError(f"{where}/extra.pt: unreadable ({type(e).__name__}: {e})") from e
 
 
-def _check_fits(meta: dict[str, Any], like: TrainState, path: str) -> None:
+def _check_fits(meta: dict[str, Any], like: TrainState, path: str, weights_only: bool = False) -> None:
+    """`CheckpointError` unless the checkpoint holds ``like``'s parameters (names, shapes), frozen
+    parameters and buffers (names, shapes; another dtype is cast) and, unless ``weights_only``,
+    its optimizers, groups, master and moment dtypes."""
     ours = {s.name: list(s.shape) for u in like.layout.units for s in u.slots}
     theirs = meta["params"]
     missing, extra = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
@@ -313,15 +316,17 @@ def _check_fits(meta: dict[str, Any], like: TrainState, path: str) -> None:
     shapes = [f"{n} {theirs[n]} vs {ours[n]}" for n in ours if n in theirs and theirs[n] != ours[n]]
     if shapes:
         problems.append(f"shapes differ (checkpoint vs model): {shapes[:5]}")
-    if meta["optimizer"] != like.cfg.optimizer.name:
+    if weights_only:
+        pass  # (the master weights are cast to the state's master dtype; nothing else is read)
+    elif meta["optimizer"] != like.cfg.optimizer.name:
         problems.append(f"optimizer is {meta['optimizer']} in the checkpoint but {like.cfg.optimizer.name} in the state")
     elif meta.get("optimizers", [meta["optimizer"]]) != _optimizer_names(like):
         problems.append(f"the groups' optimizers are {meta.get('optimizers')} in the checkpoint but "
                         f"{_optimizer_names(like)} in the state")
     for key, have in (("master_dtype", like.params.dtype), ("moment_dtype", like.cfg.moment_dtype)):
-        if meta[key] != str(have):
+        if meta[key] != str(have) and not weights_only:
             problems.append(f"{key} is {meta[key]} in the checkpoint but {have} in the state")
-    if meta["groups"] != like.hyper.lr.numel():
+    if meta["groups"] != like.hyper.lr.numel() and not weights_only:
         problems.append(f"parameter groups: {meta['groups']} in the checkpoint, {like.hyper.lr.numel()} in the state")
     mine = {n: list(t.shape) for n, t in _replicated(like).items()}
     if sorted(mine) != sorted(meta["replicated"]):
@@ -343,8 +348,10 @@ def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True,
     With ``restore_rng`` and an equal world size, each rank's torch RNG is restored too. A
     DeepSpeed ZeRO checkpoint directory loads too (`zfunc.io.deepspeed_checkpoint`): its master
     weights, Adam moments and step counts. With ``weights_only`` the weights alone (master,
-    compute copy, frozen parameters, buffers): the optimizer state, hyperparameters, loss scale
-    and counters stay ``like``'s, whatever optimizer saved the checkpoint.
+    compute copy, frozen parameters, buffers): the optimizer state, hyperparameters, loss scale,
+    counters, gradients and the RNG stay ``like``'s, whatever optimizer saved the checkpoint.
+    Frozen parameters and buffers saved in another dtype (another ``precision`` or
+    ``buffer_dtype``) are cast to ``like``'s.
 
     Raises:
         CheckpointError: incomplete directory, or a checkpoint of another model (missing or extra
@@ -369,7 +376,7 @@ def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True,
     # raises the same error, none waits for a rank that stopped.
     problem = None
     try:
-        path, meta, stored = _open(path, like)
+        path, meta, stored = _open(path, like, weights_only)
     except CheckpointError as e:
         problem = str(e)
     agree(problem, group)
@@ -380,7 +387,7 @@ def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True,
             pieces.setdefault(f"{name}/{role}", []).append(int(start))
     want: dict[str, torch.Tensor] = {}
     plan = []  # (role, unit, at, param name, start in param, length)
-    roles_of = _roles_of(like)
+    roles_of = {n: ("master",) for n in lay.names} if weights_only else _roles_of(like)
     for unit in lay.units:
         lo, hi = lay.owned(unit)
         for name, start, at, n in _overlaps(unit, lo, hi):
@@ -391,9 +398,11 @@ def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True,
                         key = f"p/{name}/{role}/{s}"
                         want[key] = torch.empty(size, dtype=stored[key].properties.dtype)
             plan.append((unit, at, name, start, n))
-    scalars = {k: torch.empty_like(v, device="cpu") for k, v in _scalars(like).items()}
-    frozen = {f"f/{n}": torch.empty_like(t, device="cpu") for n, t in _replicated(like).items()}
-    rng_key = f"rng/{group.rank}" if restore_rng and meta["world"] == group.size else None
+    scalars = {} if weights_only else {k: torch.empty_like(v, device="cpu") for k, v in _scalars(like).items()}
+    # read as saved (their CRC is the saved bytes'), cast to the state's dtype below
+    frozen = {f"f/{n}": torch.empty(t.shape, dtype=stored[f"f/{n}"].properties.dtype if f"f/{n}" in stored else t.dtype)
+              for n, t in _replicated(like).items()}
+    rng_key = f"rng/{group.rank}" if restore_rng and meta["world"] == group.size and not weights_only else None
     rng = {rng_key: torch.empty_like(torch.get_rng_state())} if rng_key else {}
     wanted = {**want, **scalars, **frozen, **rng}
     missing = sorted(k for k in wanted if k not in stored)
@@ -410,7 +419,7 @@ def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True,
 
     dev = like.device  # the master is placed from the compute device (place_master moves it)
     roles = {role: torch.zeros(t.numel(), dtype=t.dtype, device=dev if role == "master" else t.device)
-             for role, t in _role_tensors(like).items()}
+             for role, t in _role_tensors(like).items() if role == "master" or not weights_only}
     for unit, at, name, start, n in plan:
         for role in roles_of[name]:
             dst = _owned(like.stage, lay, roles[role], unit).narrow(0, at, n)
@@ -427,26 +436,52 @@ def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True,
                 lo, hi = lay.owned(unit)
                 full = comm.all_gather(roles[role].narrow(0, lo, hi - lo), like.mesh.shard)
                 roles[role].narrow(0, 0, unit.padded).copy_(full)
+    held = _replicated(like)
+    frozen = {k[2:]: v.to(device=dev, dtype=held[k[2:]].dtype) for k, v in frozen.items()}
+    if weights_only:
+        master, compute = place_master(roles["master"], like.cfg, lay, like.mesh)
+        return like.replace(params=master, compute=compute, gathered=host_flag(True),
+                            frozen={n: frozen[n] for n in like.frozen}, buffers={n: frozen[n] for n in like.buffers})
     live = _scalars(like)
     scalars = {k[2:]: v.to(live[k].device) for k, v in scalars.items()}  # where the state keeps each
-    loaded = _assemble(like, roles, scalars, {k[2:]: v.to(dev) for k, v in frozen.items()}, rng.get(rng_key))
-    if weights_only:
-        loaded = loaded.replace(step=like.step, opt=like.opt, group_opts=like.group_opts, hyper=like.hyper,
-                                scaler=like.scaler)
-    return loaded
+    return _assemble(like, roles, scalars, frozen, rng.get(rng_key))
 
 
-def _open(path: str | os.PathLike, like: TrainState) -> tuple[str, dict[str, Any], dict[str, Any]]:
+def _open(path: str | os.PathLike, like: TrainState,
+          weights_only: bool = False) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """The complete checkpoint directory at ``path``, its description and DCP's metadata, checked
     to fit ``like``; `CheckpointError` otherwise."""
     path = locate(path)
     meta = read_meta(path)
-    _check_fits(meta, like, path)
+    _check_fits(meta, like, path, weights_only)
+    return path, meta, stored_pieces(path)
+
+
+def stored_pieces(path: str) -> dict[str, Any]:
+    """DCP's description of each piece in the checkpoint directory ``path``; `CheckpointError`
+    when it is unreadable."""
     try:
-        stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     except BaseException as e:  # noqa: BLE001 - DCP's errors include BaseExceptions
         _reraise(e, f"{path}/.metadata: unreadable")
-    return path, meta, stored
+
+
+def read_checked(pieces: dict[str, torch.Tensor], path: str, meta: dict[str, Any]) -> None:
+    """Read ``pieces`` (key -> a tensor to fill) from the checkpoint directory ``path`` in this
+    process alone, and check each against the CRC-32 ``meta`` recorded for it.
+
+    Raises:
+        CheckpointError: a piece could not be read, or its bytes differ from the saved ones.
+    """
+    try:
+        with _quiet():
+            dcp.load(pieces, checkpoint_id=path, no_dist=True)
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        _reraise(e, f"{path}: reading the pieces failed")
+    damaged = sorted(k for k, t in pieces.items() if meta["crc"].get(k) != _crc(t))
+    if damaged:
+        raise CheckpointError(f"{path}: damaged pieces (their CRC-32 differs from the one saved): {damaged[:5]}; "
+                              "use an earlier checkpoint")
 
 
 def _assemble(like: TrainState, roles: dict[str, torch.Tensor], s: dict[str, torch.Tensor],
@@ -548,11 +583,10 @@ def export(source: TrainState | str | os.PathLike, file: str | os.PathLike) -> s
 def _weights_from(path: str) -> dict[str, torch.Tensor]:
     path = locate(path)
     meta = read_meta(path)
-    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    stored = stored_pieces(path)
     want = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in stored.items()
             if (k.startswith("p/") and k.rsplit("/", 2)[1] == "master") or k.startswith("f/")}
-    with _quiet():
-        dcp.load(want, checkpoint_id=path, no_dist=True)
+    read_checked(want, path, meta)
     out = {}
     for name, shape in meta["params"].items():
         flat = torch.empty(int(torch.Size(shape).numel()), dtype=getattr(torch, meta["master_dtype"].split(".")[1]))

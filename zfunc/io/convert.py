@@ -22,10 +22,9 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from zfunc.errors import CheckpointError
-from zfunc.io.checkpoint import _quiet, exists, locate, read_meta
+from zfunc.io.checkpoint import exists, locate, read_checked, read_meta, stored_pieces
 from zfunc.io.deepspeed_checkpoint import is_deepspeed_checkpoint, read_deepspeed
 
 __all__ = ["Entry", "checkpoint_entries", "write_safetensors", "convert", "main"]
@@ -89,7 +88,7 @@ def checkpoint_entries(path: str | os.PathLike) -> tuple[list[Entry], Callable[[
         return entries, lambda name: ck.master[name] if name in ck.master else held[name]
     where = locate(path)
     meta = read_meta(where)
-    stored = dcp.FileSystemReader(where).read_metadata().state_dict_metadata
+    stored = stored_pieces(where)
     master = getattr(torch, meta["master_dtype"].split(".")[1])
     pieces: dict[str, list[tuple[int, str]]] = {}
     for key in stored:
@@ -142,8 +141,7 @@ def checkpoint_entries(path: str | os.PathLike) -> tuple[list[Entry], Callable[[
             _read(chunk)
 
     def _read(chunk: dict[str, torch.Tensor]) -> None:
-        with _quiet():
-            dcp.load(chunk, checkpoint_id=where, no_dist=True)
+        read_checked(chunk, where, meta)
 
     def read(name: str) -> torch.Tensor:
         if name not in ready:
