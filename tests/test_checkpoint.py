@@ -417,11 +417,25 @@ def _failed_engine_loads(rank: int, save_dir: str) -> dict:
     e = engine("step")
     e.load_checkpoint(os.path.join(save_dir, "plain"), tag="mytag", load_module_only=True)
     out["module_only"] = bitwise_equal([e.state.params], [saved.state.params])
+    # another scheduler whose load_state_dict takes any dict (torch raises nothing): refused too
+    e = engine("step")
+    e.lr_scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(e.optimizer, T_max=100)
+    lr = e.get_lr()
+    try:
+        e.load_checkpoint(os.path.join(save_dir, "engine"))
+        out["cosine"] = "loaded"
+    except zfunc.CheckpointError as err:
+        out["cosine"] = (str(err), e.get_lr() == lr and e.lr_scheduler.state_dict()["T_max"] == 100)
+    # load_module_only of a checkpoint whose extra is any picklable value (zfunc.save's)
+    zfunc.save(saved.state, os.path.join(save_dir, "listed", "t"), extra=["cursor", 7])
+    e = engine("step")
+    out["listed"] = e.load_checkpoint(os.path.join(save_dir, "listed"), tag="t", load_module_only=True)[1]
     return out
 
 
 def test_a_failed_engine_load_leaves_the_engine_as_it_was(tmp_path):
     for r in run_ranks(_failed_engine_loads, 2, str(tmp_path)):
         assert "not a checkpoint engine.save_checkpoint wrote" in r["plain"][0] and r["plain"][1], r["plain"]
-        assert "does not fit SequentialLR" in r["scheduler"][0] and r["scheduler"][1], r["scheduler"]
-        assert r["module_only"]
+        assert "a StepLR's, and the engine's scheduler is a SequentialLR" in r["scheduler"][0] and r["scheduler"][1]
+        assert r["module_only"] and r["listed"] is None
+        assert "a StepLR's, and the engine's scheduler is a CosineAnnealingLR" in r["cosine"][0] and r["cosine"][1]

@@ -227,3 +227,16 @@ def test_a_deepspeed_checkpoint_with_parameter_alignment_skips_the_paddings(tmp_
             assert torch.equal(got.moments[moment][name], truth.moments[moment][name]), (name, moment)
     state = zfunc.load(str(tmp_path / "aligned"), like=zfunc.init(Small(), _config(2, 1)))
     assert all(torch.equal(t, truth.master[n]) for n, t in zfunc.full_params(state).items())
+
+
+def test_weights_only_of_a_deepspeed_checkpoint_keeps_the_window_as_zfuncs_does(tmp_path):
+    """Mid-window (one of two micro-batches in), ``weights_only`` of a DeepSpeed checkpoint keeps
+    the window's gradients and count, as of a zfunc checkpoint: the engine's ``micro_steps`` and
+    the state's ``micro_step`` stay in step."""
+    like = zfunc.init(Small(), _config(2, 2))
+    like, _ = zfunc.backward_step(like, lambda m, x: m(x), batch(0, 0))
+    zpath = zfunc.save(zfunc.init(Small(), _config(2, 2)), str(tmp_path / "z"))
+    for path in (os.path.join(HERE, "zero2_fp32"), zpath):
+        got = zfunc.load(path, like=like, weights_only=True)
+        assert got.micro_step.item() == 1 and torch.equal(got.grads, like.grads), path
+        assert got.loss_sum.item() == like.loss_sum.item()

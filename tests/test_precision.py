@@ -203,5 +203,9 @@ def test_fp16_weights_under_bf16_autocast_take_a_loss_scale():
                                       "torch_autocast": {"enabled": True, "dtype": "bfloat16"}})
     assert ds.precision == "fp16" and ds.autocast == torch.bfloat16 and ds.loss_scale.hysteresis == 2
     ds = zfunc.Config.from_deepspeed({"train_batch_size": 1, "torch_autocast": {"enabled": True, "dtype": "fp16"}})
+    assert ds.loss_scale == zfunc.DynamicLossScale.grad_scaler()
     assert (ds.loss_scale.rule, ds.loss_scale.init, ds.loss_scale.window, ds.loss_scale.hysteresis) == \
         ("grad_scaler", 2.0**16, 2000, 1)
+    with pytest.raises(zfunc.ConfigError, match="torch_autocast.dtype: expected bf16 with bf16.enabled"):
+        zfunc.Config.from_deepspeed({"train_batch_size": 1, "bf16": {"enabled": True},
+                                     "torch_autocast": {"enabled": True, "dtype": "fp16"}})

@@ -123,8 +123,7 @@ def test_grad_scaler_rule_matches_torch_amp_update_scale(init_pow, window, overf
     """``rule="grad_scaler"`` against torch's own update (``torch._amp_update_scale_``, what
     ``torch.amp.GradScaler.update`` runs): halve at every overflow, double at every window-th
     clean step in a row."""
-    cfg = zfunc.Config(precision="fp16", loss_scale=zfunc.DynamicLossScale(
-        init=2.0**init_pow, window=window, hysteresis=1, min_scale=1.2e-38, rule="grad_scaler"))
+    cfg = zfunc.Config(precision="fp16", loss_scale=zfunc.DynamicLossScale.grad_scaler(2.0**init_pow, window))
     scale, tracker = torch.tensor(2.0**init_pow), torch.tensor(0, dtype=torch.int32)
     s = scaler_init(cfg)
     for t, o in enumerate(overflows):

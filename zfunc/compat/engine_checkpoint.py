@@ -56,8 +56,9 @@ class Checkpoints:
                             micro_step=torch.zeros_like(st.micro_step), loss_sum=torch.zeros_like(st.loss_sum),
                             reduced=host_flag(False))
             micro_steps -= window
-        extra = {"client_state": client_state, "micro_steps": micro_steps,
-                 "global_samples": self.global_samples, "lr_scheduler": self._torch_scheduler_state()}
+        sched = self._torch_scheduler_state()
+        extra = {"client_state": client_state, "micro_steps": micro_steps, "global_samples": self.global_samples,
+                 "lr_scheduler": sched, "lr_scheduler_type": type(self.lr_scheduler).__name__ if sched else None}
         save(st, os.path.join(os.fspath(save_dir), tag), extra=extra)
         problem = None
         if save_latest and self._state.group.rank == 0:
@@ -125,12 +126,14 @@ class Checkpoints:
         _check_hyper_everywhere(loaded)
         stored = None if load_module_only else extra.get("lr_scheduler")
         if load_lr_scheduler_states and stored is not None and hasattr(self.lr_scheduler, "load_state_dict"):
-            _load_scheduler(self.lr_scheduler, stored, path, self._state.group)  # (whole, or not at all)
+            _load_scheduler(self.lr_scheduler, stored, extra.get("lr_scheduler_type"), path,
+                            self._state.group)  # (whole, or not at all)
+        client = extra.get("client_state") if isinstance(extra, dict) else None  # (zfunc.save's extra: any value)
         self.state = loaded
         self.optimizer.write_back()  # the loaded hyperparameters (e.g. a hand-set lr) in the groups
         if not load_module_only:
             self.micro_steps, self.global_samples = extra["micro_steps"], extra["global_samples"]
-        return path, (extra or {}).get("client_state") if load_module_only else extra["client_state"]
+        return path, client
 
     def _check_load_keywords(self, strict: bool, optimizer_states: bool, scheduler_states: bool,
                              module_only: bool, custom_load_fn: Any) -> None:
@@ -169,19 +172,25 @@ def _check_engine_extra(extra: Any, path: str) -> None:
             "like=engine.state) and assign engine.state. Nothing was loaded")
 
 
-def _load_scheduler(scheduler: Any, stored: Any, path: str, group: Any) -> None:
-    """``scheduler.load_state_dict(stored)`` on every rank, or on none: a rank where it fails
-    (a checkpoint of another scheduler) puts the scheduler back as it was, and every rank raises.
+def _load_scheduler(scheduler: Any, stored: Any, kind: str | None, path: str, group: Any) -> None:
+    """``scheduler.load_state_dict(stored)`` on every rank, or on none: the state of a scheduler
+    of another class (``kind``, as the saving engine's was named; torch's ``load_state_dict``
+    takes any dict into the object's attributes), or one that fails to load, is refused on every
+    rank, the scheduler put back as it was.
 
     Raises:
         CheckpointError: naming the scheduler and the cause."""
     before, problem = scheduler.state_dict(), None
-    try:
-        scheduler.load_state_dict(stored)
-    except Exception as e:  # noqa: BLE001 - whatever another scheduler's state makes of this one
-        problem = (f"{path}: the lr scheduler's state does not fit {type(scheduler).__name__} ({type(e).__name__}: "
-                   f"{e}): a checkpoint of another scheduler? Pass load_lr_scheduler_states=False to keep this one's. "
-                   "Nothing was loaded")
+    fix = "Pass load_lr_scheduler_states=False to keep this one's. Nothing was loaded"
+    if kind is not None and kind != type(scheduler).__name__:
+        problem = f"{path}: the lr scheduler's state is a {kind}'s, and the engine's scheduler is a " \
+                  f"{type(scheduler).__name__}. {fix}"
+    else:
+        try:
+            scheduler.load_state_dict(stored)
+        except Exception as e:  # noqa: BLE001 - whatever another scheduler's state makes of this one
+            problem = (f"{path}: the lr scheduler's state does not fit {type(scheduler).__name__} "
+                       f"({type(e).__name__}: {e}): a checkpoint of another scheduler? {fix}")
     try:
         agree(problem, group)
     except CheckpointError:

@@ -27,8 +27,6 @@ from zfunc.errors import ConfigError, is_finite_number
 from zfunc.core.optim import AdagradConfig, AdamConfig, LionConfig, MuonConfig, ParamGroup, SGDConfig
 from zfunc.core.scaler import FLOAT32_MAX, DynamicLossScale
 
-_TINY = 1.1754943508222875e-38  # the smallest normal float32: GradScaler's scale has no floor
-
 __all__ = ["translate", "read_config", "BatchSizes", "batch_sizes"]
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "torch.float32": torch.float32,
@@ -541,8 +539,11 @@ def translate(ds: Mapping[str, Any] | str | os.PathLike,
     autocast = None
     if auto.get("enabled"):
         autocast = _dtype(auto.get("dtype") or "bf16", "torch_autocast.dtype")
+        if autocast == torch.float16 and precision == "bf16":
+            raise _err("torch_autocast.dtype", "bf16 with bf16.enabled (bf16 weights; fp16 autocast would compute "
+                       "below their range), or fp16 with fp16.enabled or neither", auto.get("dtype"))
         if autocast == torch.float16 and loss_scale is None:  # DeepSpeed's optimizers take a GradScaler() then
-            loss_scale = DynamicLossScale(init=2.0**16, window=2000, hysteresis=1, min_scale=_TINY, rule="grad_scaler")
+            loss_scale = DynamicLossScale.grad_scaler()
     types = _section(ds, "data_types")
     compute = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
     # DeepSpeed accumulates micro-batch gradients in the model's dtype unless grad_accum_dtype says otherwise

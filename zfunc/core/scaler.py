@@ -32,6 +32,8 @@ __all__ = ["DynamicLossScale", "ScalerState", "scaler_init", "scaler_update"]
 
 FLOAT32_MAX = 3.4028234663852886e38
 """The largest finite float32: a loss scale must stay below it."""
+FLOAT32_TINY = 1.1754943508222875e-38
+"""The smallest normal float32: the floor of `DynamicLossScale.grad_scaler`'s scale (GradScaler has none)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +48,7 @@ class DynamicLossScale:
     - ``"grad_scaler"`` (``torch.amp.GradScaler``'s, which DeepSpeed uses under fp16
       ``torch_autocast``): at every ``window``-th clean step in a row (its ``growth_interval``),
       counted from the start or the last overflow; every overflow halves the scale
-      (``hysteresis=1``). ``DynamicLossScale(init=2.0**16, window=2000, hysteresis=1,
-      min_scale=1.2e-38, rule="grad_scaler")`` is ``GradScaler()``'s defaults.
+      (``hysteresis=1``). `grad_scaler` makes one with ``GradScaler()``'s defaults.
 
     Examples:
         >>> import zfunc
@@ -62,12 +63,24 @@ class DynamicLossScale:
     consecutive_hysteresis: bool = False
     rule: str = "deepspeed"
 
+    @classmethod
+    def grad_scaler(cls, init_scale: float = 2.0**16, growth_interval: int = 2000) -> DynamicLossScale:
+        """``torch.amp.GradScaler(init_scale=..., growth_interval=...)``'s schedule (growth factor 2,
+        backoff 0.5, no floor but float32's smallest normal number).
+
+        Examples:
+            >>> import zfunc
+            >>> zfunc.DynamicLossScale.grad_scaler().window, zfunc.DynamicLossScale.grad_scaler().rule
+            (2000, 'grad_scaler')
+        """
+        return cls(init=init_scale, window=growth_interval, hysteresis=1, min_scale=FLOAT32_TINY, rule="grad_scaler")
+
     def __post_init__(self) -> None:
         check(self.rule in ("deepspeed", "grad_scaler"), "loss_scale.rule", '"deepspeed" or "grad_scaler"', self.rule)
         if self.rule == "grad_scaler" and (self.hysteresis != 1 or self.consecutive_hysteresis):
             raise ConfigError("loss_scale.hysteresis: torch.amp.GradScaler's rule (rule='grad_scaler') halves the "
-                              "scale at every overflow; set hysteresis=1 and consecutive_hysteresis=False, or use "
-                              "rule='deepspeed'")
+                              "scale at every overflow; set hysteresis=1 and consecutive_hysteresis=False (or use "
+                              "DynamicLossScale.grad_scaler()), or rule='deepspeed'")
         check(is_finite_number(self.init) and 0 < self.init <= FLOAT32_MAX,
               "loss_scale.init", "a number in (0, 3.4e38]", self.init)
         check(is_positive_int(self.window), "loss_scale.window", "a positive integer", self.window)

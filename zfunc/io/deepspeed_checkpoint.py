@@ -319,11 +319,8 @@ def load_deepspeed(path: str | os.PathLike, like: Any, tag: str | None = None, *
     held = {**ck.frozen, **ck.buffers}
     replicated = dict(frozen={n: held[n].to(t.device, t.dtype) for n, t in like.frozen.items()},
                       buffers={n: held[n].to(t.device, t.dtype) for n, t in like.buffers.items()})
-    if weights_only:
-        return like.replace(params=master, compute=compute, gathered=host_flag(True), reduced=host_flag(False),
-                            grads=released_grads(accumulator_numel(cfg, lay), cfg.grad_accum_dtype, dev),
-                            micro_step=torch.zeros_like(like.micro_step), loss_sum=torch.zeros_like(like.loss_sum),
-                            **replicated)
+    if weights_only:  # (gradients and counters stay like's, as zfunc.load's weights_only keeps them)
+        return like.replace(params=master, compute=compute, gathered=host_flag(True), **replicated)
     moments = {ours_: arena(ck.moments[theirs_], getattr(like.opt, ours_).dtype, getattr(like.opt, ours_).device)
                for ours_, theirs_ in (("mu", "exp_avg"), ("nu", "exp_avg_sq"))}
     if like.params.is_pinned():
