@@ -439,3 +439,39 @@ def test_a_failed_engine_load_leaves_the_engine_as_it_was(tmp_path):
         assert "a StepLR's, and the engine's scheduler is a SequentialLR" in r["scheduler"][0] and r["scheduler"][1]
         assert r["module_only"] and r["listed"] is None
         assert "a StepLR's, and the engine's scheduler is a CosineAnnealingLR" in r["cosine"][0] and r["cosine"][1]
+
+
+def _freeze_swapped(rank: int, path: str, stage: int, world_saved: int) -> dict:
+    """Weights of a run that trained layer 0 and froze layer 2, loaded alone into a state that
+    freezes layer 0 and trains layer 2 (and the other way round): every value as saved."""
+    def model(frozen: int) -> torch.nn.Module:
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(3, 7), torch.nn.BatchNorm1d(7), torch.nn.Linear(7, 13))
+        m[frozen].requires_grad_(False)
+        return m
+
+    out = {}
+    for saved_frozen, now_frozen in ((2, 0), (0, 2)):
+        where = os.path.join(path, f"f{saved_frozen}")
+        if zfunc.comm.world().size == world_saved:
+            src = zfunc.init(model(saved_frozen), zfunc.Config(stage=3))
+            src, _ = zfunc.backward_step(src, lambda m, x: m(x).square().sum(), torch.randn(5, 3))
+            src = zfunc.apply_step(src)
+            zfunc.save(src, where)
+            out[saved_frozen] = {k: v for k, v in {**zfunc.full_params(src), **src.frozen, **src.buffers}.items()}
+            continue
+        like = zfunc.init(model(now_frozen), zfunc.Config(stage=stage))
+        with pytest.raises(zfunc.CheckpointError, match="trained on one side and frozen on the other"):
+            zfunc.load(where, like=like)
+        got = zfunc.load(where, like=like, weights_only=True)
+        out[saved_frozen] = {k: v for k, v in {**zfunc.full_params(got), **got.frozen, **got.buffers}.items()}
+    return out
+
+
+def test_weights_only_loads_across_a_change_of_which_parameters_are_frozen(tmp_path):
+    saved = run_ranks(_freeze_swapped, 3, str(tmp_path), 3, 3)[0]
+    for world, stage in ((2, 0), (1, 3), (2, 2)):
+        for got in run_ranks(_freeze_swapped, world, str(tmp_path), stage, 3):
+            for which in (0, 2):
+                assert sorted(got[which]) == sorted(saved[which])
+                assert all(torch.equal(got[which][n], saved[which][n]) for n in saved[which]), (world, stage, which)

@@ -307,6 +307,9 @@ def _check_fits(meta: dict[str, Any], like: TrainState, path: str, weights_only:
     its optimizers, groups, master and moment dtypes."""
     ours = {s.name: list(s.shape) for u in like.layout.units for s in u.slots}
     theirs = meta["params"]
+    if weights_only:  # the weights alone: a parameter trained on one side may be frozen on the other
+        ours = {**ours, **{n: list(t.shape) for n, t in like.frozen.items()}}
+        theirs = {**theirs, **{n: s for n, s in meta["replicated"].items() if n not in like.buffers}}
     missing, extra = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
     problems = []
     if missing:
@@ -329,12 +332,19 @@ def _check_fits(meta: dict[str, Any], like: TrainState, path: str, weights_only:
     if meta["groups"] != like.hyper.lr.numel() and not weights_only:
         problems.append(f"parameter groups: {meta['groups']} in the checkpoint, {like.hyper.lr.numel()} in the state")
     mine = {n: list(t.shape) for n, t in _replicated(like).items()}
+    if weights_only:  # (frozen parameters are compared with the parameters above)
+        mine = {n: s for n, s in mine.items() if n in like.buffers}
+        meta = {**meta, "replicated": {n: s for n, s in meta["replicated"].items() if n not in theirs}}
     if sorted(mine) != sorted(meta["replicated"]):
         problems.append(f"frozen parameters/buffers differ: {sorted(meta['replicated'])[:5]} vs {sorted(mine)[:5]}")
     else:
         shapes = [f"{n} {meta['replicated'][n]} vs {mine[n]}" for n in mine if meta["replicated"][n] != mine[n]]
         if shapes:
             problems.append(f"frozen parameter/buffer shapes differ (checkpoint vs model): {shapes[:5]}")
+    swapped = [n for n in (*missing, *extra) if n in meta["replicated"] or n in like.frozen]
+    if swapped and not weights_only:
+        problems.append(f"{swapped[:5]} trained on one side and frozen on the other: load the weights alone with "
+                        "weights_only=True (the engine: load_module_only=True)")
     if problems:
         raise CheckpointError(f"{path} does not fit this state (a checkpoint of another model or "
                               f"configuration?): " + "; ".join(problems) + ". Nothing was loaded.")
@@ -349,7 +359,8 @@ def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True,
     DeepSpeed ZeRO checkpoint directory loads too (`zfunc.io.deepspeed_checkpoint`): its master
     weights, Adam moments and step counts. With ``weights_only`` the weights alone (master,
     compute copy, frozen parameters, buffers): the optimizer state, hyperparameters, loss scale,
-    counters, gradients and the RNG stay ``like``'s, whatever optimizer saved the checkpoint.
+    counters, gradients and the RNG stay ``like``'s, whatever optimizer saved the checkpoint and
+    whichever parameters it froze.
     Frozen parameters and buffers saved in another dtype (another ``precision`` or
     ``buffer_dtype``) are cast to ``like``'s.
 
@@ -391,6 +402,9 @@ def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True,
     for unit in lay.units:
         lo, hi = lay.owned(unit)
         for name, start, at, n in _overlaps(unit, lo, hi):
+            if f"{name}/master" not in pieces and weights_only:  # frozen when saved: read whole below
+                plan.append((unit, at, name, start, n))
+                continue
             for role in roles_of[name]:
                 for s in sorted(pieces[f"{name}/{role}"]):
                     size = stored[f"p/{name}/{role}/{s}"].size[0]
@@ -401,7 +415,15 @@ def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True,
     scalars = {} if weights_only else {k: torch.empty_like(v, device="cpu") for k, v in _scalars(like).items()}
     # read as saved (their CRC is the saved bytes'), cast to the state's dtype below
     frozen = {f"f/{n}": torch.empty(t.shape, dtype=stored[f"f/{n}"].properties.dtype if f"f/{n}" in stored else t.dtype)
-              for n, t in _replicated(like).items()}
+              for n, t in _replicated(like).items() if f"{n}/master" not in pieces or not weights_only}
+    if weights_only:
+        # frozen when saved, trained now (read whole; this rank's part goes into the master below),
+        # and trained when saved, frozen now (its master pieces, assembled below)
+        frozen.update({f"f/{n}": torch.empty(meta["replicated"][n], dtype=stored[f"f/{n}"].properties.dtype)
+                       for n in lay.names if f"{n}/master" not in pieces and f"f/{n}" in stored})
+        want.update({f"p/{n}/master/{s}": torch.empty(stored[f"p/{n}/master/{s}"].size,
+                                                      dtype=stored[f"p/{n}/master/{s}"].properties.dtype)
+                     for n in like.frozen if f"{n}/master" in pieces for s in pieces[f"{n}/master"]})
     rng_key = f"rng/{group.rank}" if restore_rng and meta["world"] == group.size and not weights_only else None
     rng = {rng_key: torch.empty_like(torch.get_rng_state())} if rng_key else {}
     wanted = {**want, **scalars, **frozen, **rng}
@@ -421,6 +443,10 @@ def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True,
     roles = {role: torch.zeros(t.numel(), dtype=t.dtype, device=dev if role == "master" else t.device)
              for role, t in _role_tensors(like).items() if role == "master" or not weights_only}
     for unit, at, name, start, n in plan:
+        if f"f/{name}" in frozen and weights_only:  # frozen when saved
+            dst = _owned(like.stage, lay, roles["master"], unit).narrow(0, at, n)
+            dst.copy_(frozen[f"f/{name}"].reshape(-1).narrow(0, start, n))
+            continue
         for role in roles_of[name]:
             dst = _owned(like.stage, lay, roles[role], unit).narrow(0, at, n)
             for s in pieces[f"{name}/{role}"]:
@@ -437,7 +463,12 @@ def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True,
                 full = comm.all_gather(roles[role].narrow(0, lo, hi - lo), like.mesh.shard)
                 roles[role].narrow(0, 0, unit.padded).copy_(full)
     held = _replicated(like)
-    frozen = {k[2:]: v.to(device=dev, dtype=held[k[2:]].dtype) for k, v in frozen.items()}
+    if weights_only:  # trained when saved: the whole master from its pieces
+        for n in like.frozen:
+            if f"{n}/master" in pieces:
+                frozen[f"f/{n}"] = torch.cat([want[f"p/{n}/master/{s}"] for s in sorted(pieces[f"{n}/master"])])
+    frozen = {k[2:]: v.reshape(held[k[2:]].shape).to(device=dev, dtype=held[k[2:]].dtype)
+              for k, v in frozen.items() if k[2:] in held}
     if weights_only:
         master, compute = place_master(roles["master"], like.cfg, lay, like.mesh)
         return like.replace(params=master, compute=compute, gathered=host_flag(True),
