@@ -84,3 +84,87 @@ def test_parameters_differing_across_ranks_are_named_on_every_rank():
     for msg in messages:
         assert "the parameters differ across ranks at parameter #2" in msg, msg
         assert "rank 1: 1.weight [5, 4] torch.float32" in msg and "rank 0: 1.weight [2, 4]" in msg, msg
+
+
+def test_train_step_keeps_the_state_it_is_given_whole_until_its_step_succeeds():
+    """A micro-batch after the first failing leaves the state given to `train_step` as it was (a
+    BatchNorm's statistics included), usable; a step that succeeds uses it up (its weights and
+    optimizer state were updated in place)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+    state = zfunc.init(model, zfunc.Config(stage=2, grad_accum=2))
+    kept = [t.clone() for t in zfunc.tree.leaves(state) if isinstance(t, torch.Tensor)]
+    seen = []
+
+    def loss_fn(m, b):
+        seen.append(1)
+        out = m(b).square().mean()
+        if len(seen) == 2:
+            raise ValueError("the second micro-batch fails")
+        return out
+
+    with pytest.raises(ValueError, match="second micro-batch"):
+        zfunc.train_step(loss_fn)(state, torch.randn(8, 3))
+    now = [t for t in zfunc.tree.leaves(state) if isinstance(t, torch.Tensor)]
+    torch.testing.assert_close(now, kept, rtol=0, atol=0, equal_nan=True)  # (metrics.loss is NaN before a step)
+    new = zfunc.train_step(lambda m, b: m(b).square().mean())(state, torch.randn(8, 3))
+    assert new.step.item() == 1
+    with pytest.raises(RuntimeError, match="donated to train_step"):
+        zfunc.apply_step(state)
+
+
+def test_a_donating_call_that_fails_uses_the_state_up_and_says_so():
+    """``backward_step(..., donate=True)`` whose ``loss_fn`` fails after the forward (BatchNorm's
+    statistics already updated in place): the state given is refused from then on, and the error
+    says why; without ``donate`` it stays whole."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    for donate in (False, True):
+        state = zfunc.init(model, zfunc.Config(stage=2))
+        before = state.buffers["1.running_mean"].clone()
+        with pytest.raises(TypeError, match="scalar tensor") as caught:
+            zfunc.backward_step(state, lambda m, b: m(b), torch.randn(4, 3), donate=donate)
+        if donate:
+            assert "used up" in caught.value.__notes__[0]
+            with pytest.raises(RuntimeError, match="donated to backward_step"):
+                zfunc.backward_step(state, lambda m, b: m(b).sum(), torch.randn(4, 3))
+        else:
+            assert torch.equal(state.buffers["1.running_mean"], before)
+            assert zfunc.backward_step(state, lambda m, b: m(b).sum(), torch.randn(4, 3))[0].micro_step.item() == 1
+
+
+def test_a_loss_that_needs_no_gradient_is_refused_by_name():
+    state = zfunc.init(torch.nn.Linear(3, 1), zfunc.Config())
+    for bad in (lambda m, b: m(b).sum().detach(), lambda m, b: (m(b).sum() > 0).long()):
+        with pytest.raises(TypeError, match="loss_fn must return a floating-point loss computed with the model"):
+            zfunc.backward_step(state, bad, torch.ones(2, 3))
+    assert state.micro_step.item() == 0
+
+
+def test_selectors_that_select_nothing_are_refused():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    with pytest.raises(zfunc.ConfigError, match=r"param_groups\[1\]: the predicate selects none"):
+        zfunc.init(model, zfunc.Config(param_groups=[zfunc.ParamGroup(lambda n, p: p.ndim < 2, weight_decay=0.0),
+                                                     zfunc.ParamGroup(lambda n, p: "bais" in n, lr=1e-4)]))
+    with pytest.raises(zfunc.ConfigError, match=r"param_groups\[0\]: its predicate failed on '0.weight' "
+                                                r"\(TypeError"):
+        zfunc.init(model, zfunc.Config(param_groups=[zfunc.ParamGroup(lambda n: True, lr=1e-4)]))
+    with pytest.raises(zfunc.ConfigError, match=r"param_groups\[0\]: its predicate returned Tensor"):
+        zfunc.init(model, zfunc.Config(param_groups=[zfunc.ParamGroup(lambda n, p: p.sum() > 0, lr=1e-4)]))
+    with pytest.raises(zfunc.ConfigError, match=r"units: the model has no module of class \['LayerNorm'\]"):
+        zfunc.init(model, zfunc.Config(stage=3, units=[torch.nn.LayerNorm]))
+    for stage in (2.0, True):
+        with pytest.raises(zfunc.ConfigError, match="stage: expected one of 0, 1, 2, 3"):
+            zfunc.Config(stage=stage)
+
+
+def test_train_step_refuses_a_batch_it_cannot_split_whole():
+    import numpy as np
+
+    state = zfunc.init(torch.nn.Linear(3, 1), zfunc.Config(grad_accum=2))
+    step = zfunc.train_step(lambda m, b: m(b["x"]).sum(), donate=False)
+    with pytest.raises(zfunc.ConfigError, match=r"batch: its tensors' dim 0 differ \(\[4, 6\]\)"):
+        step(state, {"x": torch.ones(4, 3), "w": torch.ones(6)})
+    with pytest.raises(zfunc.ConfigError, match="batch: a numpy.ndarray of shape \\[4, 3\\] would go whole"):
+        step(state, {"x": torch.ones(4, 3), "np": np.ones((4, 3))})
+    assert state.micro_step.item() == 0 and state.step.item() == 0

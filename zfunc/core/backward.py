@@ -22,7 +22,8 @@ leaves the reduce to `zfunc.apply_step`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -135,6 +136,25 @@ def bind(state: TrainState, sinks: Sequence[torch.Tensor], *, donate: bool = Fal
     return state.binding.bind(state, sinks, buffers, fold, avg)
 
 
+@contextlib.contextmanager
+def used_up_on_failure(state: TrainState, donate: bool, by: str) -> Iterator[None]:
+    """With ``donate``, a failure inside the block (a ``loss_fn`` that raises, a backward that
+    fails) marks ``state`` as given away: its gradient buffer and buffers (BatchNorm's
+    statistics, updated in place) may hold part of the call, so it must not be used again, and
+    the error says so. Without ``donate`` nothing of ``state`` is written, and a failure leaves it
+    whole."""
+    try:
+        yield
+    except BaseException as e:
+        if donate:
+            donate_(state, by)
+            e.add_note(f"{by}(..., donate=True) failed part way, and the state given to it is used up (its gradient "
+                       "buffer and buffers may hold part of this call): continue from an earlier state. Without "
+                       "donate=True a call that fails leaves the state whole (train_step keeps the state it is given "
+                       "whole until its step succeeds)")
+        raise
+
+
 def loss_scaled(state: TrainState, t: torch.Tensor) -> torch.Tensor:
     """``t`` times the loss scale (``t`` itself without loss scaling). A float16 ``t`` is
     multiplied in float32 and rounded once (a cotangent; a float16 loss seeded with a scale of
@@ -245,18 +265,23 @@ def backward_step(state: TrainState, loss_fn: Callable[..., Any], batch: Any, *,
     """
     check_room(state, "backward_step")
     fold = _ends_step(state)
-    grads = accumulator(state.grads, donate, state.binding.pool)
-    sinks = sinks_into(state, grads)
-    model = bind(state, sinks, donate=donate, fold=fold)
-    out = loss_fn(model, batch)
-    loss, aux = out if has_aux else (out, None)
-    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
-        raise TypeError(f"loss_fn must return a scalar tensor{' first' if has_aux else ''}; "
-                        f"got {type(loss).__name__}" + (f" of shape {list(loss.shape)}"
-                                                        if isinstance(loss, torch.Tensor) else ""))
-    seed = None if state.cfg.loss_scale is None else loss_scaled(state, torch.ones_like(loss))
-    loss.backward(seed)  # into `grads` through the sinks (plain backward: reentrant checkpointing works)
-    check_sinks(sinks, state, grads)
+    with used_up_on_failure(state, donate, "backward_step"):
+        grads = accumulator(state.grads, donate, state.binding.pool)
+        sinks = sinks_into(state, grads)
+        model = bind(state, sinks, donate=donate, fold=fold)
+        out = loss_fn(model, batch)
+        loss, aux = out if has_aux else (out, None)
+        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+            raise TypeError(f"loss_fn must return a scalar tensor{' first' if has_aux else ''}; "
+                            f"got {type(loss).__name__}" + (f" of shape {list(loss.shape)}"
+                                                            if isinstance(loss, torch.Tensor) else ""))
+        if not (loss.is_floating_point() and loss.requires_grad):
+            raise TypeError(f"loss_fn must return a floating-point loss computed with the model's parameters; got "
+                            f"a {loss.dtype} tensor{'' if loss.requires_grad else ' that needs no gradient'} (computed "
+                            "under torch.no_grad(), detached, or not from the model the loss_fn receives?)")
+        seed = None if state.cfg.loss_scale is None else loss_scaled(state, torch.ones_like(loss))
+        loss.backward(seed)  # into `grads` through the sinks (plain backward: reentrant checkpointing works)
+        check_sinks(sinks, state, grads)
     loss = loss.detach().reshape(())
     new = record_micro(state, grads, loss=loss, buffers=model.new_buffers, fold=fold, forward=True)
     if donate:
@@ -312,8 +337,9 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
             raise TypeError(f"argnums: argument {i} must be a floating-point tensor")
         args[i] = a.detach().requires_grad_()
         wrt.append(args[i])
-    model = bind(state, sinks, donate=donate, fold=fold)
-    out = fn(model, *args)
+    with used_up_on_failure(state, donate, "vjp"):
+        model = bind(state, sinks, donate=donate, fold=fold)
+        out = fn(model, *args)
     outs, spec = _flat_out(out)
     odd = [type(o).__name__ for o in outs if not isinstance(o, torch.Tensor) and o is not None]
     if odd:

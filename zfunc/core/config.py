@@ -123,8 +123,7 @@ class Config:
         return self  # a frozen value: a state's copy shares it (and so compares equal in structure)
 
     def __post_init__(self) -> None:
-        check(self.stage in (0, 1, 2, 3) and not isinstance(self.stage, bool),
-               "stage", "one of 0, 1, 2, 3", self.stage)
+        check(type(self.stage) is int and self.stage in (0, 1, 2, 3), "stage", "one of 0, 1, 2, 3", self.stage)
         check(self.precision in _PRECISIONS, "precision", '"fp32", "fp16" or "bf16"', self.precision)
         check(isinstance(self.optimizer, OPTIMIZERS), "optimizer",
               "zfunc.adam, adamw, sgd, lion, adagrad or muon (...)", self.optimizer)

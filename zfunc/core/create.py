@@ -125,6 +125,10 @@ def units_of(model: torch.nn.Module, cfg: Config,
         raise ConfigError(f"units: {unknown} are not module names of the model" + (
             f"; the model has {near[:3]} (torch.compile(model) holds the model as _orig_mod: name its modules "
             "with that prefix, or the unit modules by class)" if near else ""))
+    absent = [u.__name__ for u in wanted if isinstance(u, type) and not any(_is(m, u) for m in modules.values())]
+    if absent:
+        raise ConfigError(f"units: the model has no module of class {absent} (every parameter would stay in the root "
+                          "unit, gathered whole); name classes or modules the model has")
     owner: dict[int, set[str]] = {}
     unit_names: list[str] = []
     for mname, mod in model.named_modules():

@@ -10,6 +10,7 @@ from einops import rearrange
 
 from zfunc._tree import tree
 from zfunc.core.backward import backward_step
+from zfunc.core.donation import donate_
 from zfunc.errors import ConfigError
 from zfunc.core.state import TrainState
 from zfunc.core.update import apply_step
@@ -20,7 +21,14 @@ __all__ = ["train_step", "split_micro_batches"]
 def split_micro_batches(batch: Any, n: int) -> list[Any]:
     """Split dim 0 of every tensor in ``batch`` into ``n`` micro-batches.
 
-    Non-tensor leaves and 0-dim tensors are passed to every micro-batch as they are.
+    Non-tensor leaves and 0-dim tensors are passed to every micro-batch as they are. A list or
+    tuple is a container: each tensor in it is split along its own dim 0 (stack per-sample
+    tensors into one first). Every split tensor has the same dim 0 (the batch), and arrays of
+    other libraries are refused (convert them with ``torch.as_tensor``): passed whole, each
+    micro-batch would get all of them.
+
+    Raises:
+        ConfigError: naming the leaf and what to do.
 
     Examples:
         >>> import torch
@@ -31,7 +39,14 @@ def split_micro_batches(batch: Any, n: int) -> list[Any]:
     """
     leaves, spec = tree.flatten(batch)
     split = []
+    sizes = {leaf.shape[0] for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0}
+    if len(sizes) > 1:
+        raise ConfigError(f"batch: its tensors' dim 0 differ ({sorted(sizes)}); train_step splits every tensor "
+                          "along dim 0 into the micro-batches, so each must hold the whole batch there")
     for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor) and getattr(leaf, "ndim", 0) and hasattr(leaf, "__array__"):
+            raise ConfigError(f"batch: a {type(leaf).__module__}.{type(leaf).__name__} of shape {list(leaf.shape)} "
+                              "would go whole to every micro-batch; convert it with torch.as_tensor")
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             if leaf.shape[0] % n:
                 raise ConfigError(
@@ -70,8 +85,14 @@ def train_step(loss_fn: Callable[..., Any], *, has_aux: bool = False,
         (3, 0.0343)
     """
     def step(state: TrainState, batch: Any) -> TrainState:
-        for micro in split_micro_batches(batch, state.cfg.grad_accum):
-            state, _ = backward_step(state, loss_fn, micro, has_aux=has_aux, donate=donate)
-        return apply_step(state, donate=donate)
+        given = state
+        for i, micro in enumerate(split_micro_batches(batch, state.cfg.grad_accum)):
+            # The state given is read, not written, until the step's end: a micro-batch that
+            # fails leaves it whole (the first one's gradients are new memory anyway)
+            state, _ = backward_step(state, loss_fn, micro, has_aux=has_aux, donate=donate and i > 0)
+        new = apply_step(state, donate=donate)
+        if donate:  # (apply_step reused its weights and optimizer state, which it shares)
+            donate_(given, "train_step")
+        return new
 
     return step
