@@ -168,3 +168,41 @@ def test_train_step_refuses_a_batch_it_cannot_split_whole():
     with pytest.raises(zfunc.ConfigError, match="batch: a numpy.ndarray of shape \\[4, 3\\] would go whole"):
         step(state, {"x": torch.ones(4, 3), "np": np.ones((4, 3))})
     assert state.micro_step.item() == 0 and state.step.item() == 0
+
+
+def test_engine_state_takes_only_a_state_of_its_own_model_and_config(tmp_path):
+    """``engine.state = ...`` refuses a state of another model, or of another Config, naming it;
+    a state made from ``engine.state`` (a load, the functional steps) is taken."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    engine, *_ = zfunc.initialize(model=model, config={"train_batch_size": 2, "zero_optimization": {"stage": 2},
+                                                       "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    kept = engine.state
+    with pytest.raises(ValueError, match="engine.state: the state assigned is of another model"):
+        engine.state = zfunc.init(torch.nn.Linear(4, 2), zfunc.Config(stage=2))
+    with pytest.raises(ValueError, match="of another model"):
+        engine.state = zfunc.init(model, zfunc.Config(stage=2))  # another init: another binding
+    with pytest.raises(ValueError, match=r"of another Config \(clip differ\)"):
+        engine.state = engine.state.replace(cfg=engine.state.cfg.replace(clip=0.5))
+    assert engine.state is kept
+    engine.state = zfunc.load(zfunc.save(engine.state, str(tmp_path / "c")), like=engine.state)
+    engine.state, _ = zfunc.backward_step(engine.state, lambda m, x: m(x).sum(), torch.ones(2, 3))
+    assert engine.state.micro_step.item() == 1
+
+
+def test_a_non_finite_loss_without_a_loss_scale_is_refused_before_anything_changes():
+    """fp32 and bf16 (no loss scale): a NaN or inf loss is refused on the CPU, the state given
+    whole; under fp16 with a loss scale the step's overflow check skips it (DeepSpeed's rule)."""
+    from zfunc.core.state import is_released
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    for precision in ("fp32", "bf16"):
+        state = zfunc.init(model, zfunc.Config(precision=precision))
+        for bad in (float("nan"), float("inf")):
+            with pytest.raises(ValueError, match=r"non-finite loss \((nan|-?inf)\)"):
+                zfunc.backward_step(state, lambda m, x: m(x).sum() * bad, torch.ones(2, 3))
+        assert state.micro_step.item() == 0 and is_released(state.grads)
+    state = zfunc.init(model, zfunc.Config(precision="fp16", loss_scale=zfunc.DynamicLossScale(init=4.0)))
+    state, loss = zfunc.backward_step(state, lambda m, x: m(x).sum() * float("nan"), torch.ones(2, 3))
+    assert zfunc.apply_step(state).metrics.skipped.item() == 1

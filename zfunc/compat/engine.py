@@ -23,6 +23,7 @@ module's own parameter storage is freed, as DeepSpeed's ZeRO-3 does).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -139,6 +140,9 @@ class Engine(ConfigAccessors, WeightsOut, Checkpoints, torch.nn.Module):
     def state(self, state: TrainState) -> None:
         if not isinstance(state, TrainState):
             raise TypeError(f"engine.state: expected a zfunc.TrainState, got {type(state).__name__}")
+        now = getattr(self, "_state", None)
+        if now is not None:
+            _check_same_run(now, state)
         self._state = state = settle(state)  # the module's parameters show every slice
         self._sinks = sinks_into(state, state.grads)
         self._fold: Fold | None = None  # the boundary's reduce in backward (stages 0-1), per step
@@ -480,6 +484,25 @@ class Engine(ConfigAccessors, WeightsOut, Checkpoints, torch.nn.Module):
         self._destroyed = True
         self._state = None  # type: ignore[assignment]
         self._sinks = []
+
+
+def _check_same_run(now: TrainState, new: TrainState) -> None:
+    """A state assigned to ``engine.state`` is one of this engine's model and `Config` (its
+    optimizer, groups and stage are the engine's too).
+
+    Raises:
+        ValueError: naming what differs and where such a state comes from."""
+    if new.binding is not now.binding:
+        why = "of another model (or another zfunc.init of this one)"
+    elif new.cfg != now.cfg:
+        differ = [f.name for f in dataclasses.fields(now.cfg) if getattr(now.cfg, f.name) != getattr(new.cfg, f.name)]
+        why = f"of another Config ({', '.join(differ)} differ)"
+    else:
+        return
+    raise ValueError(f"engine.state: the state assigned is {why}; the engine trains its own model with its own "
+                     "config. Assign a state made from engine.state (zfunc.load(path, like=engine.state), the "
+                     "functional steps, zfunc.tree.map over it), or build an engine for the other one with "
+                     "zfunc.initialize")
 
 
 def _weakly(engine: Engine, method: Callable[..., Any]) -> Callable[..., Any]:

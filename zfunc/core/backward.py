@@ -279,6 +279,12 @@ def backward_step(state: TrainState, loss_fn: Callable[..., Any], batch: Any, *,
             raise TypeError(f"loss_fn must return a floating-point loss computed with the model's parameters; got "
                             f"a {loss.dtype} tensor{'' if loss.requires_grad else ' that needs no gradient'} (computed "
                             "under torch.no_grad(), detached, or not from the model the loss_fn receives?)")
+        if state.cfg.loss_scale is None and loss.device.type == "cpu" and not bool(torch.isfinite(loss.detach())):
+            # (a host read is free on the CPU; on a GPU the step's overflow check skips the step)
+            raise ValueError(f"loss_fn returned a non-finite loss ({loss.item()}) for this micro-batch; without a loss "
+                             "scale (fp32, bf16) zfunc refuses it rather than train on it. Check the batch and the "
+                             "learning rate, or leave this batch out and go on with the state given (it is whole "
+                             "unless donated)")
         seed = None if state.cfg.loss_scale is None else loss_scaled(state, torch.ones_like(loss))
         loss.backward(seed)  # into `grads` through the sinks (plain backward: reentrant checkpointing works)
         check_sinks(sinks, state, grads)
