@@ -206,3 +206,22 @@ def test_a_non_finite_loss_without_a_loss_scale_is_refused_before_anything_chang
     state = zfunc.init(model, zfunc.Config(precision="fp16", loss_scale=zfunc.DynamicLossScale(init=4.0)))
     state, loss = zfunc.backward_step(state, lambda m, x: m(x).sum() * float("nan"), torch.ones(2, 3))
     assert zfunc.apply_step(state).metrics.skipped.item() == 1
+
+
+def test_accumulate_takes_real_floating_gradients_only():
+    import numpy as np
+
+    state = zfunc.init(torch.nn.Linear(2, 1), zfunc.Config())
+    full = {"weight": torch.ones(1, 2), "bias": torch.ones(1)}
+    for bad, match in (({**full, "bias": None}, r"no gradient for \['bias'\]"),):
+        with pytest.raises(KeyError, match=match):
+            zfunc.accumulate(state, bad)
+    for value in (torch.ones(1, 2, dtype=torch.complex64), torch.ones(1, 2, dtype=torch.int64), np.ones((1, 2)), 1.0):
+        with pytest.raises(TypeError, match="accumulate: gradients must be floating-point tensors"):
+            zfunc.accumulate(state, {**full, "weight": value})
+    for loss in (1.5, torch.ones(3)):
+        with pytest.raises(TypeError, match="accumulate: loss must be a one-element tensor"):
+            zfunc.accumulate(state, full, loss=loss)
+    assert state.micro_step.item() == 0
+    with pytest.raises(zfunc.ConfigError, match=r"a numpy scalar: pass a Python number"):
+        zfunc.Config(grad_accum=np.int64(2))

@@ -82,7 +82,12 @@ def check(ok: bool, name: str, expected: str, got: Any) -> None:
         >>> check(True, "lr", "a number", 1.0)
     """
     if not ok:
-        raise ConfigError(f"{name}: expected {expected}, got {got!r}")
+        hint = ""
+        if type(got).__module__ == "numpy" and getattr(got, "ndim", None) == 0:  # np.float32(1e-3), np.int64(2)
+            hint = " (a numpy scalar: pass a Python number, float(x) or int(x))"
+        elif type(got).__module__.startswith("torch") and getattr(got, "ndim", None) == 0:
+            hint = " (a tensor: pass a Python number, x.item())"
+        raise ConfigError(f"{name}: expected {expected}, got {got!r}{hint}")
 
 
 def is_number(x: Any) -> bool:

@@ -299,7 +299,9 @@ class Engine(ConfigAccessors, WeightsOut, Checkpoints, torch.nn.Module):
         if not self.managed:
             raise DeepSpeedAssertion("set_gradient_accumulation_boundary: with managed_gradient_accumulation false "
                                      "every step() is the boundary; call step() when the accumulation ends instead")
-        self._boundary = bool(is_boundary)
+        if not isinstance(is_boundary, bool):  # ("False" would read as True)
+            raise TypeError(f"set_gradient_accumulation_boundary: expected True or False, got {is_boundary!r}")
+        self._boundary = is_boundary
         if self._fold is not None and not self._fold.started:  # a forward ran already: its backward decides
             self._fold.enabled = self._boundary
 

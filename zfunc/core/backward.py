@@ -455,7 +455,15 @@ def accumulate(state: TrainState, grads: dict[str, torch.Tensor], *, loss: torch
     if unknown:
         raise KeyError(f"accumulate: {sorted(unknown)} are not trainable parameters of the model; "
                        f"expected names from {list(lay.names)[:5]}...")
-    missing = [n for n in lay.names if n not in grads]
+    odd = [f"{n} ({type(g).__name__}{'' if not isinstance(g, torch.Tensor) else ' of ' + str(g.dtype)})"
+           for n, g in grads.items() if g is not None and not (isinstance(g, torch.Tensor) and g.is_floating_point())]
+    if odd:
+        raise TypeError(f"accumulate: gradients must be floating-point tensors; got {odd[:5]} (a complex gradient "
+                        "would lose its imaginary part: zfunc trains real parameters). Nothing was changed")
+    if loss is not None and not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+        raise TypeError(f"accumulate: loss must be a one-element tensor (the micro-batch's loss), got "
+                        f"{type(loss).__name__}{' of shape ' + str(list(loss.shape)) if isinstance(loss, torch.Tensor) else ''}")
+    missing = [n for n in lay.names if grads.get(n) is None]  # (a None counts as missing)
     if missing and strict:
         raise KeyError(f"accumulate: no gradient for {missing[:5]}{'...' if len(missing) > 5 else ''} "
                        f"({len(missing)} of {len(lay.names)} trainable parameters); give every one, or pass "
