@@ -25,7 +25,7 @@ def split_micro_batches(batch: Any, n: int) -> list[Any]:
     tuple is a container: each tensor in it is split along its own dim 0 (stack per-sample
     tensors into one first). Every split tensor has the same dim 0 (the batch), and arrays of
     other libraries are refused (convert them with ``torch.as_tensor``): passed whole, each
-    micro-batch would get all of them.
+    micro-batch would get all of them. With ``n == 1`` the batch is the micro-batch, as it is.
 
     Raises:
         ConfigError: naming the leaf and what to do.
@@ -37,6 +37,8 @@ def split_micro_batches(batch: Any, n: int) -> list[Any]:
         >>> [p["x"].flatten().tolist() for p in parts]
         [[0, 1], [2, 3], [4, 5]]
     """
+    if n == 1:  # the batch is the one micro-batch, whatever its leaves
+        return [batch]
     leaves, spec = tree.flatten(batch)
     split = []
     sizes = {leaf.shape[0] for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0}
