@@ -205,9 +205,10 @@ def apply_step(state: TrainState, *, donate: bool = False, micro_batches: int | 
     if int(state.micro_step) == 0:  # on the host: no wait
         raise RuntimeError(
             "apply_step: no micro-batch was accumulated since the last step (backward_step, vjp's pullback or "
-            "accumulate), so there is no gradient to apply; torch's optimizers skip parameters without "
-            "gradients, and an update here would still move every weight by its weight decay and decay the "
-            "moments. Run a micro-batch first (a loop that calls the step twice?). Nothing was changed")
+            "accumulate), so there is no gradient to apply, and an update here would still move every weight by "
+            "its weight decay and decay the moments (a step without any gradient is a loop's mistake; torch's "
+            "optimizers would do nothing). Run a micro-batch first (a loop that calls the step twice?). Nothing "
+            "was changed")
     cfg, lay, group = state.cfg, state.layout, state.group
     lrs = learning_rates(state)
     # A schedule's non-finite or negative lr must never reach the weights: on the host (CPU) it is
