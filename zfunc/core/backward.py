@@ -34,7 +34,7 @@ from zfunc._tree import tree
 from zfunc.autograd.average import Average, ranks_averaged
 from zfunc.autograd.bound import BoundModel
 from zfunc.autograd.buckets import Fold, reduce_group
-from zfunc.core.donation import check_live, donate_
+from zfunc.core.donation import Donated, check_live, donate_
 from zfunc.core.state import TrainState, accumulator, host_flag
 
 __all__ = ["backward_step", "vjp", "accumulate", "record_micro", "check_room", "sinks_into", "point_sinks",
@@ -146,12 +146,11 @@ def used_up_on_failure(state: TrainState, donate: bool, by: str) -> Iterator[Non
     try:
         yield
     except BaseException as e:
-        if donate:
+        if donate and not isinstance(state.params, Donated):  # (not twice: a pullback after its forward)
             donate_(state, by)
             e.add_note(f"{by}(..., donate=True) failed part way, and the state given to it is used up (its gradient "
                        "buffer and buffers may hold part of this call): continue from an earlier state. Without "
-                       "donate=True a call that fails leaves the state whole (train_step keeps the state it is given "
-                       "whole until its step succeeds)")
+                       "donate=True a call that fails leaves the state whole")
         raise
 
 
@@ -279,12 +278,6 @@ def backward_step(state: TrainState, loss_fn: Callable[..., Any], batch: Any, *,
             raise TypeError(f"loss_fn must return a floating-point loss computed with the model's parameters; got "
                             f"a {loss.dtype} tensor{'' if loss.requires_grad else ' that needs no gradient'} (computed "
                             "under torch.no_grad(), detached, or not from the model the loss_fn receives?)")
-        if state.cfg.loss_scale is None and loss.device.type == "cpu" and not bool(torch.isfinite(loss.detach())):
-            # (a host read is free on the CPU; on a GPU the step's overflow check skips the step)
-            raise ValueError(f"loss_fn returned a non-finite loss ({loss.item()}) for this micro-batch; without a loss "
-                             "scale (fp32, bf16) zfunc refuses it rather than train on it. Check the batch and the "
-                             "learning rate, or leave this batch out and go on with the state given (it is whole "
-                             "unless donated)")
         seed = None if state.cfg.loss_scale is None else loss_scaled(state, torch.ones_like(loss))
         loss.backward(seed)  # into `grads` through the sinks (plain backward: reentrant checkpointing works)
         check_sinks(sinks, state, grads)
@@ -346,11 +339,12 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
     with used_up_on_failure(state, donate, "vjp"):
         model = bind(state, sinks, donate=donate, fold=fold)
         out = fn(model, *args)
-    outs, spec = _flat_out(out)
-    odd = [type(o).__name__ for o in outs if not isinstance(o, torch.Tensor) and o is not None]
-    if odd:
-        raise TypeError(f"vjp: every output of the function must be a tensor (a pytree of them, as torch.func.vjp "
-                        f"takes); got {odd[:3]}. Return the others through a closure, or from a second call")
+        outs, spec = _flat_out(out)
+        odd = [type(o).__name__ for o in outs if not isinstance(o, torch.Tensor) and o is not None]
+        if odd:
+            raise TypeError(f"vjp: every output of the function must be a tensor (a pytree of them, as "
+                            f"torch.func.vjp takes); got {odd[:3]}. Return the others through a closure, or from a "
+                            "second call")
     calls = {"n": 0, "retained": True}
 
     def pullback(cotangent: Any, *, retain_graph: bool = False, loss: torch.Tensor | None = None) -> Any:
@@ -382,9 +376,10 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
         if not pairs:
             raise RuntimeError("pullback: no output of the function requires grad (all detached or computed "
                                "without grad); nothing reaches the parameters")
-        torch.autograd.backward([o for o, _ in pairs], [loss_scaled(state, c) for _, c in pairs],
-                                retain_graph=retain_graph)
-        check_sinks(sinks, state, grads)
+        with used_up_on_failure(state, donate, "vjp"):
+            torch.autograd.backward([o for o, _ in pairs], [loss_scaled(state, c) for _, c in pairs],
+                                    retain_graph=retain_graph)
+            check_sinks(sinks, state, grads)
         # Kept for another call: this result's buffers are a copy (a recomputation in the next
         # call's backward updates the call's buffers, BatchNorm's statistics, in place).
         buffers = {n: b.clone() for n, b in model.new_buffers.items()} if retain_graph else model.new_buffers

@@ -454,21 +454,14 @@ def assign_groups(groups: Sequence[ParamGroup], trainable: dict[str, torch.Tenso
         if len(chosen) > 1:
             raise ConfigError(f"param_groups: {name!r} is in groups {chosen}; put each parameter in one group")
         out[name] = chosen[0] + 1 if chosen else 0
-    empty = [i for i, g in enumerate(groups) if callable(g.params) and i + 1 not in out.values()]
-    if empty:
-        raise ConfigError(f"param_groups{empty}: the predicate selects none of the trainable parameters (a misspelt "
-                          "name in it?); check it against model.named_parameters(), or leave the group out")
     return out
 
 
 def _selects(group: ParamGroup, i: int, name: str, p: torch.Tensor) -> bool:
-    """`ParamGroup.selects`, a predicate's failure or non-bool answer named as group ``i``'s."""
+    """`ParamGroup.selects` (a predicate's answer taken as true or false: ``re.search`` works),
+    a predicate's failure named as group ``i``'s."""
     try:
-        chosen = group.selects(name, p) if not callable(group.params) else group.params(name, p)
+        return group.selects(name, p)
     except Exception as e:  # noqa: BLE001 - whatever the user's predicate raises
         raise ConfigError(f"param_groups[{i}]: its predicate failed on {name!r} ({type(e).__name__}: {e}); it is "
-                          "called as predicate(name, parameter) and returns a bool") from e
-    if callable(group.params) and not isinstance(chosen, bool):
-        raise ConfigError(f"param_groups[{i}]: its predicate returned {type(chosen).__name__} for {name!r}; return a "
-                          "bool (predicate(name, parameter) -> bool)")
-    return chosen
+                          "called as predicate(name, parameter) and returns whether the group takes it") from e

@@ -44,7 +44,8 @@ def split_micro_batches(batch: Any, n: int) -> list[Any]:
     sizes = {leaf.shape[0] for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0}
     if len(sizes) > 1:
         raise ConfigError(f"batch: its tensors' dim 0 differ ({sorted(sizes)}); train_step splits every tensor "
-                          "along dim 0 into the micro-batches, so each must hold the whole batch there")
+                          "along dim 0 into the micro-batches, so each must hold the whole batch there (give a "
+                          "tensor that is not per sample, such as class weights, to loss_fn through a closure)")
     for leaf in leaves:
         if not isinstance(leaf, torch.Tensor) and getattr(leaf, "ndim", 0) and hasattr(leaf, "__array__"):
             raise ConfigError(f"batch: a {type(leaf).__module__}.{type(leaf).__name__} of shape {list(leaf.shape)} "
@@ -88,11 +89,17 @@ def train_step(loss_fn: Callable[..., Any], *, has_aux: bool = False,
     """
     def step(state: TrainState, batch: Any) -> TrainState:
         given = state
-        for i, micro in enumerate(split_micro_batches(batch, state.cfg.grad_accum)):
-            # The state given is read, not written, until the step's end: a micro-batch that
-            # fails leaves it whole (the first one's gradients are new memory anyway)
-            state, _ = backward_step(state, loss_fn, micro, has_aux=has_aux, donate=donate and i > 0)
-        new = apply_step(state, donate=donate)
+        try:
+            for i, micro in enumerate(split_micro_batches(batch, state.cfg.grad_accum)):
+                # The state given is read, not written, until the step's end: a micro-batch that
+                # fails leaves it whole (the first one's gradients are new memory anyway)
+                state, _ = backward_step(state, loss_fn, micro, has_aux=has_aux, donate=donate and i > 0)
+            new = apply_step(state, donate=donate)
+        except BaseException as e:
+            if state is not given:  # (the note of a donating micro-batch concerns train_step's own state)
+                e.__notes__ = [n for n in getattr(e, "__notes__", []) if "donate=True) failed part way" not in n]
+                e.add_note("train_step: the state given to it is whole; go on from it")
+            raise
         if donate:  # (apply_step reused its weights and optimizer state, which it shares)
             donate_(given, "train_step")
         return new
