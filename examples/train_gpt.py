@@ -24,22 +24,36 @@ from zfunc.models import GPT, CharCorpus, GPTConfig, lm_loss
 from zfunc.core.train import split_micro_batches
 
 
+def _positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+HEADS = 4  # attention heads of the model: --d-model must be a multiple
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--stage", type=int, default=2, help="ZeRO stage 0-3 (default 2)")
-    p.add_argument("--world-size", type=int, default=2, help="local gloo ranks (default 2)")
-    p.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default 1)")
-    p.add_argument("--micro-batch", type=int, default=16, help="sequences per micro-batch per rank")
+    p.add_argument("--stage", type=int, default=2, choices=[0, 1, 2, 3], help="ZeRO stage (default 2)")
+    p.add_argument("--world-size", type=_positive, default=2, help="local gloo ranks (default 2)")
+    p.add_argument("--steps", type=_positive, default=300, help="optimizer steps (default 300)")
+    p.add_argument("--grad-accum", type=_positive, default=1, help="micro-batches per step (default 1)")
+    p.add_argument("--micro-batch", type=_positive, default=16, help="sequences per micro-batch per rank")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=192)
-    p.add_argument("--block", type=int, default=64, help="context length in characters")
+    p.add_argument("--layers", type=_positive, default=4)
+    p.add_argument("--d-model", type=_positive, default=192, help=f"model width, a multiple of {HEADS}")
+    p.add_argument("--block", type=_positive, default=64, help="context length in characters")
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--threads", type=_positive, default=1, help="torch threads per rank")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/gpt", help="directory for metrics.jsonl and metrics.png")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.d_model % HEADS:
+        p.error(f"argument --d-model: expected a multiple of {HEADS} (the attention heads), got {args.d_model}")
+    return args
 
 
 def generate(state: zfunc.TrainState, corpus: CharCorpus, prompt: str, n: int) -> str:
@@ -59,7 +73,7 @@ def train(rank: int, args: argparse.Namespace) -> dict[str, float]:
     corpus = CharCorpus.python_docs()
     torch.manual_seed(args.seed)
     model = GPT(GPTConfig(vocab_size=corpus.vocab_size, block_size=args.block, n_layer=args.layers,
-                          n_head=4, d_model=args.d_model))
+                          n_head=HEADS, d_model=args.d_model))
     loss_scale = zfunc.DynamicLossScale() if args.precision == "fp16" else None
     cfg = zfunc.Config(stage=args.stage, precision=args.precision, grad_accum=args.grad_accum, clip=1.0,
                        optimizer=zfunc.adamw(lr=args.lr, weight_decay=0.1), loss_scale=loss_scale,
@@ -72,7 +86,8 @@ def train(rank: int, args: argparse.Namespace) -> dict[str, float]:
     if rank == 0:
         n = state.layout.numel
         rep = zfunc.memory_report(state)
-        print(f"zfunc GPT: {n / 1e6:.2f}M parameters, ZeRO-{args.stage}, {args.precision}, {world} ranks, "
+        print(f"zfunc GPT: {n / 1e6:.2f}M parameters, ZeRO-{args.stage}, {args.precision}, "
+              f"{world} rank{'s' if world > 1 else ''}, "
               f"{tokens_per_step} tokens/step; rank 0 holds {rep['total'] / 2**20:.1f} MiB of model state "
               f"(params {rep['params'] / 2**20:.1f}, grads {rep['grads'] / 2**20:.1f}, "
               f"optimizer {rep['optimizer'] / 2**20:.1f})", flush=True)
@@ -103,7 +118,8 @@ def train(rank: int, args: argparse.Namespace) -> dict[str, float]:
     if rank == 0:
         png = plot_run(os.path.join(args.out, "metrics.jsonl"), os.path.join(args.out, "metrics.png"))
         print(f"\ndone: {args.steps} steps in {elapsed:.1f} s, loss {first:.3f} -> {last:.3f}, "
-              f"{summary['tokens_per_s']:.0f} tokens/s, {summary['skipped']} skipped steps")
+              f"{summary['tokens_per_s']:.0f} tokens/s, {summary['skipped']} skipped "
+              f"step{'' if summary['skipped'] == 1 else 's'}")
         print(f"sample: {sample!r}")
         print(f"metrics: {os.path.join(args.out, 'metrics.jsonl')}, plot: {png}")
     return summary

@@ -148,10 +148,10 @@ def _engine(rank: int, stage: int, per_call: bool, fold: bool) -> list[float]:
     _reduce_at(fold)
     make, loss_fn, batch_fn = MODELS["gpt"]
     torch.manual_seed(0)
-    engine, *_ = zfunc.initialize(model=make(), config={
+    cfg = zfunc.Config.from_deepspeed({
         "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage}})
-    engine.state = zfunc.init(make(), engine.state.cfg.replace(bucket_mb=SMALL))
+    engine, *_ = zfunc.initialize(model=make(), config=cfg.replace(bucket_mb=SMALL))
     for i in range(6):
         batch = batch_fn(i, rank, 2)
         if per_call and engine.is_gradient_accumulation_boundary():

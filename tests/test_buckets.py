@@ -100,10 +100,10 @@ def test_a_pullback_run_twice_gives_the_same_gradient():
 def _engine(rank: int) -> list[float]:
     make, loss_fn, batch_fn = MODELS["gpt"]
     torch.manual_seed(0)
-    engine, *_ = zfunc.initialize(model=make(), config={
+    cfg = zfunc.Config.from_deepspeed({
         "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
         "zero_optimization": {"stage": 2}})
-    engine.state = zfunc.init(make(), engine.state.cfg.replace(bucket_mb=SMALL))
+    engine, *_ = zfunc.initialize(model=make(), config=cfg.replace(bucket_mb=SMALL))
     losses = []
     for _ in range(3):
         loss = loss_fn(engine, batch_fn(0, rank, 2))  # one batch: the loss must fall
