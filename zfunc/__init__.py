@@ -65,7 +65,7 @@ from zfunc.core.update import set_hyperparams as set_hyperparams
 from zfunc.distributed import comm as comm
 from zfunc.errors import ConfigError as ConfigError
 from zfunc.io.checkpoint import CheckpointError as CheckpointError
-from zfunc.io.checkpoint import export as export
+from zfunc.io.export import export as export
 from zfunc.io.checkpoint import load as load
 from zfunc.io.checkpoint import save as save
 from zfunc.io.pretrained import load_weights as load_weights

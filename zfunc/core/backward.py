@@ -34,7 +34,7 @@ from zfunc._tree import tree
 from zfunc.autograd.average import Average, ranks_averaged
 from zfunc.autograd.bound import BoundModel
 from zfunc.autograd.buckets import Fold, reduce_group
-from zfunc.core.donation import Donated, check_live, donate_
+from zfunc.core.donation import check_live, donate_, is_donated
 from zfunc.core.state import TrainState, accumulator, host_flag
 
 __all__ = ["backward_step", "vjp", "accumulate", "record_micro", "check_room", "sinks_into", "point_sinks",
@@ -136,6 +136,11 @@ def bind(state: TrainState, sinks: Sequence[torch.Tensor], *, donate: bool = Fal
     return state.binding.bind(state, sinks, buffers, fold, avg)
 
 
+USED_UP = "failed part way"
+"""In the note `used_up_on_failure` adds to the error (`zfunc.train_step` replaces it for the
+state it keeps whole)."""
+
+
 @contextlib.contextmanager
 def used_up_on_failure(state: TrainState, donate: bool, by: str) -> Iterator[None]:
     """With ``donate``, a failure inside the block (a ``loss_fn`` that raises, a backward that
@@ -146,9 +151,9 @@ def used_up_on_failure(state: TrainState, donate: bool, by: str) -> Iterator[Non
     try:
         yield
     except BaseException as e:
-        if donate and not isinstance(state.params, Donated):  # (not twice: a pullback after its forward)
+        if donate and not is_donated(state):  # (not twice: a pullback after its forward)
             donate_(state, by)
-            e.add_note(f"{by}(..., donate=True) failed part way, and the state given to it is used up (its gradient "
+            e.add_note(f"{by}(..., donate=True) {USED_UP}, and the state given to it is used up (its gradient "
                        "buffer and buffers may hold part of this call): continue from an earlier state. Without "
                        "donate=True a call that fails leaves the state whole")
         raise

@@ -21,7 +21,7 @@ from zfunc.autograd.swap import set_data
 if TYPE_CHECKING:
     from zfunc.core.state import TrainState
 
-__all__ = ["Donated", "donate_", "check_live"]
+__all__ = ["Donated", "donate_", "check_live", "is_donated"]
 
 
 class Donated:
@@ -118,8 +118,12 @@ def _memory(t: torch.Tensor) -> tuple[str, int]:
     return str(t.device), t.untyped_storage().data_ptr() if t.numel() and t.device.type != "meta" else -id(t)
 
 
+def is_donated(state: TrainState) -> bool:
+    """Whether ``state`` was given away (`donate_`): its leaves are `Donated` markers."""
+    return isinstance(state.__dict__.get("params"), Donated)
+
+
 def check_live(state: TrainState, what: str) -> None:
     """Refuse a donated ``state`` at the door of ``what``."""
-    marker = state.__dict__.get("params")
-    if isinstance(marker, Donated):
-        raise RuntimeError(_message(marker.by, what))
+    if is_donated(state):
+        raise RuntimeError(_message(state.__dict__["params"].by, what))

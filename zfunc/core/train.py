@@ -9,7 +9,7 @@ import torch
 from einops import rearrange
 
 from zfunc._tree import tree
-from zfunc.core.backward import backward_step
+from zfunc.core.backward import USED_UP, backward_step
 from zfunc.core.donation import donate_
 from zfunc.errors import ConfigError
 from zfunc.core.state import TrainState
@@ -97,7 +97,7 @@ def train_step(loss_fn: Callable[..., Any], *, has_aux: bool = False,
             new = apply_step(state, donate=donate)
         except BaseException as e:
             if state is not given:  # (the note of a donating micro-batch concerns train_step's own state)
-                e.__notes__ = [n for n in getattr(e, "__notes__", []) if "donate=True) failed part way" not in n]
+                e.__notes__ = [n for n in getattr(e, "__notes__", []) if USED_UP not in n]
                 e.add_note("train_step: the state given to it is whole; go on from it")
             raise
         if donate:  # (apply_step reused its weights and optimizer state, which it shares)

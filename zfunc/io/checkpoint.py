@@ -34,13 +34,12 @@ from zfunc.io import commit
 from zfunc._tree import tree
 from zfunc.core.create import place_master
 from zfunc.core.donation import check_live
-from zfunc.core.full_weights import iter_full_params
 from zfunc.io.deepspeed_checkpoint import is_deepspeed_checkpoint, load_deepspeed
 from zfunc.errors import CheckpointError
 from zfunc.distributed.layout import Layout, Unit
 from zfunc.core.state import TrainState, accumulator_numel, host_flag, released_grads
 
-__all__ = ["save", "load", "export", "exists", "CheckpointError", "read_meta", "read_extra"]
+__all__ = ["save", "load", "exists", "CheckpointError", "read_meta", "read_extra", "read_checked", "stored_pieces"]
 
 _FORMAT = 2
 
@@ -430,14 +429,7 @@ def load(path: str | os.PathLike, like: TrainState, *, restore_rng: bool = True,
     missing = sorted(k for k in wanted if k not in stored)
     agree(f"{path}: pieces missing from the checkpoint: {missing[:5]}. Nothing was loaded." if missing else None,
           group)
-    try:
-        with _quiet():
-            dcp.load(wanted, checkpoint_id=path, **_dcp_kwargs(group))
-    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        _reraise(e, f"{path}: reading the pieces failed")
-    damaged = sorted(k for k, t in wanted.items() if meta["crc"].get(k) != _crc(t))
-    agree(f"{path}: damaged pieces (their CRC-32 differs from the one saved): {damaged[:5]}. Nothing was loaded; "
-          "load an earlier checkpoint" if damaged else None, group)
+    agree(_read_pieces(wanted, path, meta, **_dcp_kwargs(group)), group)
 
     dev = like.device  # the master is placed from the compute device (place_master moves it)
     roles = {role: torch.zeros(t.numel(), dtype=t.dtype, device=dev if role == "master" else t.device)
@@ -504,15 +496,22 @@ def read_checked(pieces: dict[str, torch.Tensor], path: str, meta: dict[str, Any
     Raises:
         CheckpointError: a piece could not be read, or its bytes differ from the saved ones.
     """
+    problem = _read_pieces(pieces, path, meta, no_dist=True)
+    if problem is not None:
+        raise CheckpointError(problem)
+
+
+def _read_pieces(pieces: dict[str, torch.Tensor], path: str, meta: dict[str, Any], **dcp_kwargs: Any) -> str | None:
+    """Read ``pieces`` from ``path`` (`CheckpointError` when that fails), and what is wrong with
+    them: the pieces whose CRC-32 differs from the one ``meta`` recorded, or None."""
     try:
         with _quiet():
-            dcp.load(pieces, checkpoint_id=path, no_dist=True)
+            dcp.load(pieces, checkpoint_id=path, **dcp_kwargs)
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         _reraise(e, f"{path}: reading the pieces failed")
     damaged = sorted(k for k, t in pieces.items() if meta["crc"].get(k) != _crc(t))
-    if damaged:
-        raise CheckpointError(f"{path}: damaged pieces (their CRC-32 differs from the one saved): {damaged[:5]}; "
-                              "use an earlier checkpoint")
+    return (f"{path}: damaged pieces (their CRC-32 differs from the one saved): {damaged[:5]}. Nothing was loaded; "
+            "load an earlier checkpoint") if damaged else None
 
 
 def _assemble(like: TrainState, roles: dict[str, torch.Tensor], s: dict[str, torch.Tensor],
@@ -575,56 +574,3 @@ def _roles_of(state: TrainState) -> dict[str, tuple[str, ...]]:
 def _replicated(state: TrainState) -> dict[str, torch.Tensor]:
     """The tensors every rank holds whole: frozen parameters and buffers (stored under ``f/``)."""
     return {**state.frozen, **state.buffers}
-
-
-def export(source: TrainState | str | os.PathLike, file: str | os.PathLike) -> str:
-    """Full weights as safetensors, for inference: trainable parameters, frozen ones and buffers.
-
-    A tied weight is stored once under its first name; ``model.load_state_dict(weights,
-    strict=False)`` restores it (its aliases share the tensor). From a state this gathers to rank 0
-    a unit at a time (`zfunc.iter_full_params`; call on every rank; rank 0 writes, and only it
-    holds the whole model); from a checkpoint directory it runs in one process. For Hugging Face's
-    sharded layout, `zfunc.save_pretrained`.
-
-    Examples:
-        >>> import tempfile, torch, zfunc
-        >>> from safetensors.torch import load_file
-        >>> state = zfunc.init(torch.nn.Linear(3, 2), zfunc.Config(stage=3))
-        >>> f = zfunc.export(state, tempfile.mkdtemp() + "/model.safetensors")
-        >>> sorted(load_file(f))
-        ['bias', 'weight']
-    """
-    from safetensors.torch import save_file
-
-    if isinstance(source, TrainState):
-        check_live(source, "export")
-        # a unit at a time to rank 0 alone: no other rank holds the whole model
-        trained = iter_full_params(source, dtype=source.params.dtype, dst=0)
-        weights = {n: t for n, t in trained if n not in source.frozen}
-        weights.update(_replicated(source))
-        rank = source.group.rank
-    else:
-        weights, rank = _weights_from(os.fspath(source)), 0
-    if rank == 0:
-        save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, os.fspath(file),
-                  metadata={"format": "zfunc"})
-    return os.fspath(file)
-
-
-def _weights_from(path: str) -> dict[str, torch.Tensor]:
-    path = locate(path)
-    meta = read_meta(path)
-    stored = stored_pieces(path)
-    want = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in stored.items()
-            if (k.startswith("p/") and k.rsplit("/", 2)[1] == "master") or k.startswith("f/")}
-    read_checked(want, path, meta)
-    out = {}
-    for name, shape in meta["params"].items():
-        flat = torch.empty(int(torch.Size(shape).numel()), dtype=getattr(torch, meta["master_dtype"].split(".")[1]))
-        for k, v in want.items():
-            if k.startswith(f"p/{name}/master/"):
-                start = int(k.rsplit("/", 1)[1])
-                flat.narrow(0, start, v.numel()).copy_(v)
-        out[name] = flat.view(shape)
-    out.update({k[2:]: v for k, v in want.items() if k.startswith("f/")})
-    return out
