@@ -1036,3 +1036,58 @@ def test_a_fresh_state_beside_a_pending_pullback_recomputes_on_its_own_call():
     backward they do nothing (no backward through their calls runs), so its recomputation
     gathers its own call's units, not the pending call's."""
     assert _beside_a_pending_pullback(3, ["blk"]) == 0.0
+
+
+
+def test_the_recompute_hooks_go_on_at_the_first_recomputation_only():
+    """A backward that recomputes nothing puts no hook on the module's modules and takes none
+    off: one pre-hook in torch's global table stands for them from the moment a backward reaches
+    the call's outputs until a hooked module is called while it runs (a recomputation), and none
+    is left once no call's graph lives. The first module recomputed gets its recompute hook ahead
+    of the user's pre-hook, which reads the call's weight there (as a weight-norm hook does), not
+    the module's own (stale after a step)."""
+    from torch.nn.modules import module as torch_module
+
+    def on_modules(model: torch.nn.Module) -> int:
+        return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+
+    for ckpt in (None, "reentrant", "non_reentrant"):
+        for stage in (0, 3):
+            where = (ckpt, stage)
+            torch.manual_seed(0)
+            model = Stack(3)
+            model.ckpt = ckpt
+            seen: list[float] = []
+            for block in model.blocks:
+                block[0].register_forward_pre_hook(lambda mod, args: seen.append(mod.weight.sum().item()))
+            observed: list[tuple[int, int]] = []
+
+            def observe(g: torch.Tensor) -> None:  # the gradient reaches the head's input: no block recomputed yet
+                observed.append((on_modules(model), len(torch_module._global_forward_pre_hooks)))
+
+            def watch_head(mod: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+                if args[0].requires_grad:
+                    args[0].register_hook(observe)
+
+            model.out.register_forward_hook(watch_head)
+            user = on_modules(model)
+            state = zfunc.init(model, zfunc.Config(stage=stage, persist_threshold=0, optimizer=zfunc.sgd(lr=0.5)))
+            x, y = torch.randn(4, 8), torch.randn(4, 1)
+            state, _ = zfunc.backward_step(state, _stack_loss, (x, y))
+            state = zfunc.apply_step(state)  # the state's weights differ from the module's own now
+            seen.clear()
+            after_forward: list[int] = []
+
+            def loss_fn(m, batch):
+                out = m(batch[0])
+                after_forward.append(on_modules(model))  # the call's own hooks (stage 3's unit hooks)
+                return ((out - batch[1]) ** 2).mean()
+
+            state, _ = zfunc.backward_step(state, loss_fn, (x, y))
+            assert observed[-1] == (after_forward[0], 1), (where, observed, after_forward)
+            assert on_modules(model) == user and not torch_module._global_forward_pre_hooks, where
+            forward, again = seen[:3], seen[3:]
+            assert len(again) == (3 if ckpt else 0), (where, seen)
+            assert sorted(again) == sorted(forward[:len(again)] if not ckpt else forward), (where, seen)
+            own = [b[0].weight.sum().item() for b in model.blocks]
+            assert all(abs(a - b) > 1e-3 for a, b in zip(forward, own)), where  # (the check tells them apart)

@@ -90,9 +90,9 @@ def _take_off(phases: dict[int, tuple[list, list]], ids: dict[tuple[int, bool], 
     attached.clear()
 
 
-def _let_go(handles: list[RemovableHandle], *call_hooks: Any) -> None:
-    """A binding no state holds: every hook of it leaves the module."""
-    _remove(handles)
+def _let_go(handles: list[RemovableHandle], armed: list[RemovableHandle], *call_hooks: Any) -> None:
+    """A binding no state holds: every hook of it leaves the module (and torch's global table)."""
+    _remove(handles, armed)
     _take_off(*call_hooks)
 
 
@@ -151,7 +151,10 @@ class ModuleBinding(Routing, Recompute):
         # no live binding shares another's (a binding's hooks leave with it).
         self._ids = {(phase, pre): -(4 * id(self) + 2 * phase + pre)
                      for phase in (_CALL, _RECOMPUTE) for pre in (False, True)}
-        weakref.finalize(self, _let_go, self._handles, self._phases, self._ids, self._attached)
+        # Until the first module of a backward runs (a recomputation): the one global pre-hook that
+        # puts the recompute hooks on then (`arm`); a backward that recomputes nothing never has them.
+        self._armed: list[RemovableHandle] = []
+        weakref.finalize(self, _let_go, self._handles, self._armed, self._phases, self._ids, self._attached)
         self.unit_order: list[int] = []  # stage 3: the units the last forward ran, in order
         self._members: list[Any] = []  # set by `route`
         self._probe: Any = None  # set by `route`
@@ -216,6 +219,8 @@ class ModuleBinding(Routing, Recompute):
         self._install_recompute_hooks()
         for mod, is_pre, hook, phase in self._specs:
             self._phases.setdefault(phase, ([], []))[0 if is_pre else 1].append((mod, hook))
+        # id(module) -> (module, its recompute pre-hook), for `Recompute._arm`'s global pre-hook
+        self._recompute_pres = {id(mod): (mod, hook) for mod, hook in self._phases.get(_RECOMPUTE, ((), ()))[0]}
 
     def occupy(self) -> None:
         """This thread starts running the module for a zfunc call (nested calls in one thread
@@ -252,10 +257,13 @@ class ModuleBinding(Routing, Recompute):
 
     def attach(self, phase: int = _CALL) -> None:
         """Put one phase of the hooks zfunc needs on the module (`_specs`), unless they are
-        there: the unit hooks at a call's start, the recompute hooks when a backward reaches a
-        call's outputs (`zfunc.autograd.calls`), so a forward runs without them. Each pre-hook
+        there: the unit hooks at a call's start, the recompute hooks at the first module a backward
+        through a call's outputs recomputes (`Recompute._arm`), so a forward, and a backward that
+        recomputes nothing, run without them. Each pre-hook
         goes before the user's hooks (a weight-norm hook reads the unit's parameters)."""
         with self._users_lock:
+            if phase == _RECOMPUTE:
+                _remove(self._armed)
             if phase in self._attached or self._removed:
                 return
             pres, posts = self._phases.get(phase) or ((), ())
@@ -276,9 +284,11 @@ class ModuleBinding(Routing, Recompute):
         if self._users or self._watch:  # read without the lock: whoever empties them calls this again
             return
         with self._users_lock:
-            if self._users or self._watch or not self._attached:
+            if self._users or self._watch:
                 return
-            _take_off(self._phases, self._ids, self._attached)
+            _remove(self._armed)
+            if self._attached:
+                _take_off(self._phases, self._ids, self._attached)
 
     def _call_gone(self, ref: weakref.ref) -> None:
         with self._users_lock:
@@ -506,7 +516,7 @@ class ModuleBinding(Routing, Recompute):
         with self._users_lock:
             self._removed = True
             _take_off(self._phases, self._ids, self._attached)
-        _remove(self._handles)
+        _remove(self._handles, self._armed)
         self.unit_params = {}
         self._members = []
         self.gather_plan = None  # no hook waits for a unit now: apply_step gathers before returning

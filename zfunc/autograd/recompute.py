@@ -2,8 +2,8 @@
 outside zfunc's call, runs on the parameters of the call whose backward it is. A mixin of
 `zfunc.autograd.binding.ModuleBinding`: forward pre/post hooks on each module whose subtree holds
 parameters outside the units or buffers, and on those inside a unit's module
-(`Recompute._install_recompute_hooks`), put on when a backward
-reaches a call's outputs (`Recompute._reached`) and acting only while one runs; the call is found
+(`Recompute._install_recompute_hooks`), put on at the first recomputation in a backward
+through a call's outputs (`Recompute._arm`) and acting only while one runs; the call is found
 from the graph (`Recompute._source`).
 """
 
@@ -49,6 +49,10 @@ class Recompute:
     _users_lock: Any
     _generation: int
     _last_source: tuple[int, weakref.ref] | None
+    _armed: list[Any]
+    _attached: set[int]
+    _removed: bool
+    _recompute_pres: dict[int, tuple[torch.nn.Module, Any]]
 
     def _install_recompute_hooks(self) -> None:
         """Hooks on each module that can read parameters outside the units in its forward: every
@@ -347,8 +351,8 @@ class Recompute:
         return mine[0]
 
     def _reached(self) -> None:
-        """A backward reached a call's outputs: the recompute hooks go on, and which call a
-        recomputation belongs to is found afresh (`_source`)."""
+        """A backward reached a call's outputs: the recompute hooks are armed (`_arm`), and which
+        call a recomputation belongs to is found afresh (`_source`)."""
         with self._users_lock:
             self._forget_source()
         me = threading.get_ident()
@@ -360,14 +364,47 @@ class Recompute:
             while stack:
                 self._uncover(me, stack)
             self._forget_runs(me)
-        self.attach(RECOMPUTE)
+        self._arm()
         if not self._members:  # (the engine checks its module's own gradients at step())
             self.reads.watch(graph_task())
+
+    def _arm(self) -> None:
+        """A backward reached a call's outputs: the recompute hooks go on the modules when the
+        first of them is called while a backward runs (a recomputation), from one pre-hook in
+        torch's global table until then (`_first_recompute`), so a backward that recomputes
+        nothing puts none on and takes none off. It leaves the table when the hooks go on
+        (`attach`), or with them once no call's graph lives."""
+        with self._users_lock:
+            if RECOMPUTE in self._attached or self._armed or self._removed or not self._recompute_pres:
+                return
+            self._armed.append(torch.nn.modules.module.register_module_forward_pre_hook(
+                _first_recompute(weakref.ref(self))))
 
     def _forget_source(self) -> None:
         """(Under the lock.) `_source`'s kept answer may be stale: found afresh next time."""
         self._generation += 1
         self._last_source = None
+
+
+def _first_recompute(ref: weakref.ref) -> Any:
+    """The global forward pre-hook of an armed binding (`Recompute._arm`): at the first call of
+    one of its hooked modules while a backward runs, it puts the recompute hooks on every module
+    (which takes it out of the table) and runs that module's own, whose place in this call's hooks
+    torch fixed before this one ran (global pre-hooks run before a module's own, as the recompute
+    pre-hook goes before the user's). Any other call passes through. Inside compiled code it only
+    runs the module's hook (tracing writes no hook table)."""
+
+    def hook(mod: torch.nn.Module, args: Any) -> None:
+        b = ref()
+        if b is None or b.flight.backwards == 0:
+            return
+        found = b._recompute_pres.get(id(mod))
+        if found is None or found[0] is not mod:
+            return
+        if not torch.compiler.is_compiling():
+            b.attach(RECOMPUTE)
+        found[1](mod, args)
+    return hook
 
 
 @torch.compiler.disable
