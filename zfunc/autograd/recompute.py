@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from zfunc._probes import graph_task
+from zfunc._probes import compiled_in_place, graph_task
 from zfunc.autograd import calls
 from zfunc.autograd.direct_reads import DirectReads
 from zfunc.autograd.swap import put_back, swap_in
@@ -53,6 +53,7 @@ class Recompute:
     _attached: set[int]
     _removed: bool
     _recompute_pres: dict[int, tuple[torch.nn.Module, Any]]
+    _module_dicts: tuple[dict, ...]
 
     def _install_recompute_hooks(self) -> None:
         """Hooks on each module that can read parameters outside the units in its forward: every
@@ -373,7 +374,12 @@ class Recompute:
         first of them is called while a backward runs (a recomputation), from one pre-hook in
         torch's global table until then (`_first_recompute`), so a backward that recomputes
         nothing puts none on and takes none off. It leaves the table when the hooks go on
-        (`attach`), or with them once no call's graph lives."""
+        (`attach`), or with them once no call's graph lives. A module compiled in place (its call
+        and the global pre-hook compiled with it, where no hook table can be written) puts the
+        hooks on at once, as they would be traced in its recomputation."""
+        if compiled_in_place(self._module_dicts):
+            self.attach(RECOMPUTE)
+            return
         with self._users_lock:
             if RECOMPUTE in self._attached or self._armed or self._removed or not self._recompute_pres:
                 return
