@@ -1091,3 +1091,81 @@ def test_the_recompute_hooks_go_on_at_the_first_recomputation_only():
             assert sorted(again) == sorted(forward[:len(again)] if not ckpt else forward), (where, seen)
             own = [b[0].weight.sum().item() for b in model.blocks]
             assert all(abs(a - b) > 1e-3 for a, b in zip(forward, own)), where  # (the check tells them apart)
+
+
+class _Gate(torch.autograd.Function):
+    """Identity; its backward, where ``ctx.events`` is set, signals and waits (a backward paused
+    midway, after it reached the call's outputs)."""
+
+    @staticmethod
+    def forward(ctx, x, events):
+        ctx.events = events
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.events is not None:
+            ctx.events[0].set()
+            ctx.events[1].wait(30)
+        return g, None
+
+
+class _GatedNet(torch.nn.Module):
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.reentrant, self.events = reentrant, None
+        self.i, self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(self.a, self.i(x), use_reentrant=self.reentrant)
+        return self.b(torch.tanh(_Gate.apply(h, self.events)))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_plain_torch_in_another_thread_during_a_zfunc_backward_recomputes_on_its_own(reentrant):
+    """While a zfunc backward through a checkpointed model is paused midway in one thread, plain
+    torch (no zfunc call) runs the same module with its checkpointing in another: its
+    recomputation runs on the module's own weights (no backward through a call runs in its
+    thread), so its gradients are torch's, and the zfunc backward's are as when it runs alone."""
+    def loss_fn(m, x):
+        return m(x).square().mean()
+
+    torch.manual_seed(0)
+    model = _GatedNet(reentrant)
+    state = zfunc.init(model, zfunc.Config(stage=0, optimizer=zfunc.sgd(lr=0.5)))
+    state = zfunc.apply_step(zfunc.backward_step(state, loss_fn, torch.randn(3, 4))[0])  # differs from the module's
+    xa, xb = torch.randn(3, 4), torch.randn(3, 4)
+    params = list(model.parameters())
+
+    def plain() -> list[torch.Tensor]:  # (torch's reentrant checkpointing refuses autograd.grad: into .grad)
+        loss_fn(model, xb).backward()
+        grads = [p.grad.clone() for p in params]
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    alone_b = plain()
+    alone_a = zfunc.backward_step(state, loss_fn, xa)[0].grads.clone()
+    events = (threading.Event(), threading.Event())
+    out: dict[str, Any] = {}
+
+    def zfunc_thread() -> None:
+        model.events = events
+        try:
+            out["a"] = zfunc.backward_step(state, loss_fn, xa)[0].grads.clone()
+        except Exception as e:  # noqa: BLE001 (reported below)
+            out["a"] = e
+        finally:
+            events[0].set()
+
+    t = threading.Thread(target=zfunc_thread)
+    t.start()
+    assert events[0].wait(30)
+    model.events = None
+    try:
+        got_b = plain()
+    finally:
+        events[1].set()
+        t.join()
+    assert all(torch.equal(g, e) for g, e in zip(got_b, alone_b))
+    assert not isinstance(out["a"], Exception), out["a"]
+    assert torch.equal(out["a"], alone_a)

@@ -113,6 +113,14 @@ class InFlight:
             outer = [task for task, threads in self._threads.items() if me in threads]
         return outer[0] if len(outer) == 1 else None
 
+    def ran_here(self) -> bool:
+        """Whether this thread runs a backward through one of the calls' outputs (its marker ran
+        here): a thread that runs none (plain torch on the module meanwhile) recomputes nothing
+        of theirs."""
+        me = threading.get_ident()
+        with self._lock:
+            return any(me in threads for threads in self._threads.values())
+
     def _enter_backward(self, task: int) -> None:
         with self._lock:
             self._entered[task] = self._entered.get(task, 0) + 1

@@ -319,8 +319,9 @@ class Recompute:
         """The call whose backward is running now, for a forward recomputed in it: among the calls
         whose graph lives, the one this backward (or, for a reentrant segment's own backward, the
         one it runs inside) entered through its outputs (the marker on their nodes notes the graph
-        task on it, `zfunc.autograd.calls`), else the only one. Two are
-        ambiguous: refused. Kept for the backward's next recomputed module (a graph task's id is
+        task on it, `zfunc.autograd.calls`), else the only one, if a backward through a call's
+        outputs runs in this thread (one that runs none, plain torch on the module in another
+        thread meanwhile, gets None: it recomputes on the module's own). Two are ambiguous: refused. Kept for the backward's next recomputed module (a graph task's id is
         never reused)."""
         task = graph_task() if task is None else task
         last = self._last_source
@@ -335,7 +336,10 @@ class Recompute:
         if not mine and self.flight.nested():  # a reentrant segment's own backward: its outer one's call
             outer = self.flight.enclosing()
             mine = [c for c in live if outer in c.tasks]
-        mine = mine or live
+        if not mine:
+            if not self.flight.ran_here():  # another thread's backward, through none of the calls
+                return None
+            mine = live
         if len(mine) > 1:
             raise RuntimeError(
                 f"activation checkpointing recomputes part of {type(self.module).__name__} during backward, "
