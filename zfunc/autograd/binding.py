@@ -291,6 +291,17 @@ class ModuleBinding(Routing, Recompute):
             if self._attached:
                 _take_off(self._phases, self._ids, self._attached)
 
+    def take_off_now(self) -> None:
+        """Take the call hooks off the module now, though a call's graph lives (an engine's
+        `destroy()`: a ``loss`` still referenced keeps its graph); a later call puts them on again.
+        Nothing is taken off while a call runs."""
+        with self._users_lock:
+            if self._users:
+                return
+            _remove(self._armed)
+            if self._attached:
+                _take_off(self._phases, self._ids, self._attached)
+
     def _call_gone(self, ref: weakref.ref) -> None:
         with self._users_lock:
             self._watch.discard(ref)

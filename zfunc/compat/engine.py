@@ -481,6 +481,7 @@ class Engine(ConfigAccessors, WeightsOut, Checkpoints, torch.nn.Module):
             return
         self._return_weights()
         self._router.unroute()  # the engine's hooks only: a copy of its state keeps training
+        self._router.take_off_now()  # and the call hooks a graph still referenced (the last loss) keeps
         if self._guard is not None:
             self._guard.remove()
         self._destroyed = True
