@@ -158,3 +158,50 @@ def test_the_mode_is_the_users_modules():
     model.eval()
     zfunc.backward_step(state, loss_fn, torch.randn(4, 3))
     assert seen == [False, (False, False, False)] and model.training
+
+
+def _penalised(model: nn.Module, batch: tuple) -> torch.Tensor:
+    """A gradient penalty with respect to ``parameters()`` taken before the forward, and a hook on
+    each that clips its gradient: both need the very tensors forward computes with."""
+    params = list(model.parameters())
+    for p in params:
+        p.register_hook(lambda g: g.clamp(-0.05, 0.05))
+    loss = ((model(batch[0]) - batch[1]) ** 2).mean()
+    grads = torch.autograd.grad(loss, params, create_graph=True)
+    after = list(model.parameters())  # asked again after the forward: the same tensors
+    assert all(a is b for a, b in zip(params, after))
+    return loss + 0.3 * sum(g.pow(2).sum() for g in grads)
+
+
+def _penalised_run(rank: int, stage: int, world: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    state = zfunc.init(model, zfunc.Config(stage=stage, optimizer=zfunc.sgd(lr=1.0),
+                                           units=[] if stage == 3 else None))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8 * world, 4, generator=g), torch.randn(8 * world, 2, generator=g)
+    state, _ = zfunc.backward_step(state, _penalised, (x[8 * rank:8 * rank + 8], y[8 * rank:8 * rank + 8]))
+    return zfunc.full_params(zfunc.apply_step(state))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_parameters_loss_fn_reads_are_the_ones_forward_uses(world):
+    """``torch.autograd.grad`` with respect to ``parameters()`` (a gradient penalty) and hooks on
+    them see the forward's use, as on a torch module: the step equals plain torch's (mean of the
+    ranks' gradients), stages 0-3 (stage 3: every parameter in the root unit)."""
+    from tests.helpers import run_ranks
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8 * world, 4, generator=g), torch.randn(8 * world, 2, generator=g)
+    grads = None
+    for r in range(world):  # each rank's gradient, then their mean (hooks and penalty are per rank)
+        ref.zero_grad()
+        _penalised(ref, (x[8 * r:8 * r + 8], y[8 * r:8 * r + 8])).backward()
+        mine = [p.grad.clone() for p in ref.parameters()]
+        grads = mine if grads is None else [a + b for a, b in zip(grads, mine)]
+    expected = {n: p.detach() - gr / world for (n, p), gr in zip(ref.named_parameters(), grads)}
+    for stage in (0, 1, 2, 3):
+        for got in run_ranks(_penalised_run, world, stage, world):
+            assert max((got[n] - expected[n]).abs().max().item() for n in expected) < 1e-6, stage

@@ -335,12 +335,14 @@ def test_a_gradient_part_after_its_bucket_started_is_refused():
         assert "arrived after its bucket's reduce had started" in message and "use_reentrant=False" in message
 
 
-def _twice(rank: int, stage: int, ckpt: str, chained: bool = False) -> str:
-    """The model called twice in one loss, with checkpointed blocks: refused when recomputing.
-    ``chained``: the second call on the first one's output, so backward recomputes the second
-    call's blocks before it reaches the first call at all."""
-    state = zfunc.init(_model(ckpt), zfunc.Config(stage=stage))
-    batch = (torch.randn(4, 8), torch.randn(4, 1))
+def _twice(rank: int, stage: int, ckpt: str | None, chained: bool = False, units: bool = False) -> str | torch.Tensor:
+    """The model called twice in one loss, with checkpointed blocks: the state's gradient, or
+    the refusal. ``chained``: the second call on the first one's output, so backward recomputes
+    the second call's blocks before it reaches the first call at all. ``units``: stage 3 with a
+    unit per block (else these small blocks are all in the root unit)."""
+    state = zfunc.init(_model(ckpt), zfunc.Config(stage=stage, persist_threshold=0 if units else 100_000))
+    g = torch.Generator().manual_seed(rank)
+    batch = (torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g))
 
     def loss(m, b):
         if chained:
@@ -348,20 +350,26 @@ def _twice(rank: int, stage: int, ckpt: str, chained: bool = False) -> str:
         return _stack_loss(m, b) + _stack_loss(m, b)
 
     try:
-        zfunc.backward_step(state, loss, batch)
+        return zfunc.backward_step(state, loss, batch)[0].grads.clone()
     except RuntimeError as e:
         return str(e)
-    return "accepted"
 
 
-def test_two_calls_pending_backward_are_refused_when_recomputing():
-    for stage in (0, 1, 2, 3):
-        for ckpt in ("reentrant", "non_reentrant"):
-            for message in run_ranks(_twice, 2, stage, ckpt):
-                assert "2 forward calls of it through zfunc are differentiated by this backward" in message, message
-    for stage in (0, 3):  # the first recomputation finds one call; the second call is reached later
-        for ckpt in ("reentrant", "non_reentrant"):
-            for message in run_ranks(_twice, 2, stage, ckpt, True):
+def test_two_calls_of_one_bound_model_recompute_on_its_tensors_or_are_refused():
+    """Without units (stages 0-2; stage 3 with every parameter in the root unit) the bound
+    model's calls compute with the same parameter tensors, as a torch module's do: a
+    recomputation of either runs on them, and the gradient is the one without checkpointing. At
+    stage 3 with units each call gathers its units apart: two pending calls are refused when
+    recomputing."""
+    for chained in (False, True):
+        for stage in (0, 1, 2, 3):
+            plain = run_ranks(_twice, 2, stage, None, chained)
+            for ckpt in ("reentrant", "non_reentrant"):
+                for a, b in zip(plain, run_ranks(_twice, 2, stage, ckpt, chained)):
+                    assert isinstance(b, torch.Tensor), b
+                    assert (a - b).abs().max().item() < 1e-6, (stage, ckpt, chained)
+        for ckpt in ("reentrant", "non_reentrant"):  # chained: the first recomputation finds one call
+            for message in run_ranks(_twice, 2, 3, ckpt, chained, True):
                 assert "2 forward calls of it through zfunc are differentiated by this backward" in message, message
 
 

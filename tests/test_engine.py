@@ -873,7 +873,9 @@ def test_save_checkpoint_inside_an_accumulation_window_saves_the_last_step(stage
             engine.backward(nn.functional.cross_entropy(engine(x), y))
             engine.step()
             if i == 2 and save:
-                engine.save_checkpoint(tmp_path, tag="mid")
+                with pytest.raises(NotImplementedError, match="exclude_frozen_parameters=False"):
+                    engine.save_checkpoint(tmp_path, tag="mid", exclude_frozen_parameters=True)
+                engine.save_checkpoint(tmp_path, tag="mid", exclude_frozen_parameters=False)  # Lightning's call
         x, y = micro(3)
         engine.backward(nn.functional.cross_entropy(engine(x), y))
         engine.step()

@@ -117,6 +117,12 @@ class BoundModel(torch.nn.Module):
         # by the caller (torch.func.functional_call over this model) and wins over the state's.
         self.resting = [entries[attr] for entries, attr, _ in state.binding.entries]
         self.param_views: dict[str, torch.Tensor] | None = None  # `named_parameters`, made once
+        # Without units (stage 3: all in the root unit): the trained parameters' views and their
+        # `Rebind` (stage 3: `UnitGatherer`), made by the
+        # first of `named_parameters` and a forward call and used by both and every later call,
+        # as a torch module's parameters are the same tensors in each (a hook on one, or
+        # torch.autograd.grad with respect to it, sees every call's use).
+        self._shared: tuple[dict[str, torch.Tensor], Rebind | UnitGatherer] | None = None
         # During a call (`prepare` to `finish`; the call's graph holds what a backward needs):
         self.gatherer: UnitGatherer | None = None  # stage 3
         self.units: UnitGatherer | UnitViews | None = None  # what the unit modules' hooks bind
@@ -146,8 +152,10 @@ class BoundModel(torch.nn.Module):
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """The parameters forward uses, under the module's names: trained ones as views of the
-        state's compute buffer whose gradients reach the state (made once per bound model, so
-        every call answers the same tensors), frozen ones as they are.
+        state's compute buffer whose gradients reach the state (made once per bound model and, at
+        stages 0-2 without units, the very tensors every forward call of it computes with, so a
+        hook on one or ``torch.autograd.grad`` with respect to it sees the forward's use), frozen
+        ones as they are.
 
         Raises:
             RuntimeError: at stage 3 with units, where a unit's parameters exist in full only
@@ -162,12 +170,17 @@ class BoundModel(torch.nn.Module):
                 "inputs (torch.autograd.grad, torch.func.grad) as usual; or keep every parameter in the root unit "
                 "(Config(units=[]), a larger persist_threshold) or use stage 0-2 for per-parameter torch.func recipes")
         if self.param_views is None:
-            if state.stage == 3:  # the root unit alone: gathered once, as a forward call does
+            if self._shared is not None:
+                views, call = self._shared
+            elif state.stage == 3:  # the root unit alone: gathered once, as a forward call does
                 gatherer = UnitGatherer(state, self.sinks, [], self.avg)
                 views, call = gatherer.root_views(), gatherer
                 gatherer.hub = None  # the graph keeps the collector
+                self._shared = (views, call)
             else:
                 views, call = self._views()
+                if state.binding.gather_plan is None:
+                    self._shared = (views, call)
             if self.pending is not None:  # stages 1-2 after a step with units: every slice, now
                 self.pending.wait_all()
                 self.pending = None
@@ -276,13 +289,27 @@ class BoundModel(torch.nn.Module):
                 "those hooks as its module runs: without them the module would run on its own tensors. Make a new "
                 "state (zfunc.init, or zfunc.load of a zfunc.save of this one) instead of removing the hooks of one "
                 "still in use")
-        if state.stage == 3:  # the root unit now; the others when their modules run
+        if state.stage == 3 and self._shared is not None:  # everything in the root unit (`named_parameters`)
+            views, self.call = self._shared
+            self.units = self.gatherer = self.call
+            tensors.update(views)
+        elif state.stage == 3:  # the root unit now; the others when their modules run
             hint = binding.unit_order or [i for i, u in enumerate(lay.units) if u.name != "root"]
             self.units = self.gatherer = gatherer = UnitGatherer(state, self.sinks, hint, self.avg)
-            tensors.update(gatherer.root_views())
+            views = gatherer.root_views()
+            tensors.update(views)
             self.call = gatherer
+            if not _has_units(state):
+                self._shared = (views, gatherer)
+                self.param_views = {**views, **state.frozen}
+        elif self._shared is not None and binding.gather_plan is None:  # the tensors named_parameters gives
+            views, self.call = self._shared
+            tensors.update(views)
         else:
             views, self.call = self._views()
+            if binding.gather_plan is None:
+                self._shared = (dict(views), self.call)  # (``views`` is the call's to change)
+                self.param_views = {**views, **state.frozen}
             pending = self.pending
             if binding.gather_plan is not None:  # stages 1-2 with units: bound as their modules run
                 if pending is not None:

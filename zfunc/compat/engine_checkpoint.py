@@ -39,14 +39,23 @@ class Checkpoints:
     state: Any
 
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: Any = None, client_state: Any = None,
-                        save_latest: bool = True) -> bool:
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """Save to ``save_dir/tag`` (default tag ``global_step<N>``) and point ``latest`` at it.
 
         Every rank writes its own pieces (`zfunc.save`); ``client_state`` is stored as is. Inside
         an accumulation window, as DeepSpeed, the window's gradients are not saved: the checkpoint
         holds the weights and optimizer state of the last step (and the buffers as they are now),
         loading it starts a window afresh, and this engine goes on with its window.
+        ``exclude_frozen_parameters`` (DeepSpeed's; Lightning passes it): False only.
+
+        Raises:
+            NotImplementedError: ``exclude_frozen_parameters=True``.
         """
+        if exclude_frozen_parameters is not False:
+            raise NotImplementedError(
+                "save_checkpoint(exclude_frozen_parameters=True): zfunc's checkpoints always hold the frozen "
+                "parameters (they are part of the state a load checks). Save with exclude_frozen_parameters=False "
+                "(the default)")
         tag = _check_tag(tag if tag is not None else f"global_step{self.global_steps}")
         self._state = self._with_group_edits(self._state)  # the groups' lr as the optimizer shows it
         st, micro_steps = self._state, self.micro_steps
