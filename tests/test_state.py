@@ -507,6 +507,35 @@ def test_an_ema_of_states_runs_on_its_own_weights():
                     assert gap <= 1e-6, (world, stage, how, rank, gap)
 
 
+def test_an_in_place_map_updates_memory_two_leaves_share_once():
+    """At fp32 a state's ``params`` is its ``compute`` (or a slice of it): ``zfunc.tree.map_``
+    (and its path and accessor forms) updates that memory once, through the leaf that holds it
+    all, so an in-place EMA of a deep copy is the EMA (not the update applied twice), at every
+    stage; and a plain tree of a tensor and its view, once."""
+    def lerp_(e: torch.Tensor, x: torch.Tensor) -> None:  # (a released gradient buffer is an expanded zero)
+        if e.is_floating_point() and e.shape == x.shape and 0 not in e.stride():
+            e.lerp_(x, 0.5)
+
+    for stage in (0, 1, 2, 3):
+        torch.manual_seed(0)
+        s0 = zfunc.init(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)),
+                        zfunc.Config(stage=stage, optimizer=zfunc.adamw(lr=0.1)))
+        s1 = zfunc.apply_step(zfunc.backward_step(s0, lambda m, x: m(x).square().mean(), torch.randn(2, 3))[0])
+        old, new = zfunc.full_params(s0), zfunc.full_params(s1)
+        for how in ("map_", "map_with_path_"):
+            ema = copy.deepcopy(s0)
+            assert ema.params.untyped_storage().data_ptr() == ema.compute.untyped_storage().data_ptr()
+            if how == "map_":
+                zfunc.tree.map_(lerp_, ema, s1)
+            else:
+                zfunc.tree.map_with_path_(lambda path, e, x: lerp_(e, x), ema, s1)
+            got = zfunc.full_params(ema)
+            assert all(torch.allclose(got[k], torch.lerp(old[k], new[k], 0.5)) for k in old), (stage, how)
+    base = torch.zeros(4)
+    zfunc.tree.map_(lambda t: t.add_(1), {"a": base[1:3], "b": base, "c": base})
+    assert base.tolist() == [1.0, 1.0, 1.0, 1.0]
+
+
 def _pickled(rank: int, stage: int) -> dict[str, Any]:
     """Each rank pickles its state; the pickle carries the module as code (meta tensors) and the
     groups by ranks; unpickled on its rank it is equal in structure, on another rank refused."""

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import optree
+import torch
 
 tree = optree.pytree.reexport(namespace="zfunc", module="zfunc.tree")
 sys.modules.setdefault("zfunc.tree", tree)
@@ -38,6 +39,11 @@ def _combining(plain: Callable[..., Any], in_place: bool) -> Callable[..., Any]:
     @functools.wraps(plain)
     def combine(func: Callable[..., Any], first: Any, /, *rests: Any, is_leaf: Callable[[Any], bool] | None = None,
                 none_is_leaf: bool = False, namespace: str = "zfunc") -> Any:
+        if in_place:  # a leaf over memory another leaf holds (a state's params over its compute) is updated once
+            within = _within_others(tree.leaves(first, is_leaf=is_leaf, none_is_leaf=none_is_leaf,
+                                                namespace=namespace))
+            if within:
+                func = _skipping(func, within)
         out = plain(func, first, *rests, is_leaf=is_leaf, none_is_leaf=none_is_leaf, namespace=namespace)
         if not rests:
             return out
@@ -60,6 +66,35 @@ def _combining(plain: Callable[..., Any], in_place: bool) -> Callable[..., Any]:
         return out if in_place else spec.unflatten(made)
 
     return combine
+
+
+def _within_others(leaves: list[Any]) -> set[int]:
+    """The places of the tensors among ``leaves`` whose memory lies within another one's (the
+    same tensor again, or a view of it: at fp32 a state's ``params`` is its ``compute``, or a
+    slice of it): an in-place map updates that memory once, through the other (the first of
+    equal ones)."""
+    by_storage: dict[int, list[tuple[int, int, int]]] = {}
+    for i, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor) and x.numel() and x.device.type != "meta":
+            start = x.data_ptr()
+            end = start + x.element_size() * (1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride())))
+            by_storage.setdefault(x.untyped_storage().data_ptr(), []).append((start, end, i))
+    out: set[int] = set()
+    for spans in by_storage.values():
+        for a, b, i in spans:
+            if any(j != i and a2 <= a and b <= b2 and ((a2, b2) != (a, b) or j < i) for a2, b2, j in spans):
+                out.add(i)
+    return out
+
+
+def _skipping(func: Callable[..., Any], places: set[int]) -> Callable[..., Any]:
+    """``func``, not called at the leaves in ``places`` (counted in the order an in-place map
+    visits them)."""
+    seen = iter(range(sys.maxsize))
+
+    def at(*args: Any) -> Any:
+        return None if next(seen) in places else func(*args)
+    return at
 
 
 for _name in ("map", "map_with_path", "map_with_accessor"):
