@@ -311,7 +311,7 @@ def test_an_engine_backward_in_another_thread_leaves_other_backwards_alone(stage
     alone = grads(zfunc.backward_step(state, loss_fn, (x, y))[0])
     engine.backward(loss_fn(engine, (x, y)))
     engine_alone = zfunc.utils.safe_get_full_grad(next(engine.module.parameters())).clone()
-    engine.zero_grad()
+    engine.optimizer.zero_grad()  # (DeepSpeed's drops the window at stages 0 and 3)
 
     def run_engine(pause) -> None:
         out = engine(x)
@@ -364,3 +364,35 @@ def test_an_engine_and_its_bound_model_deep_copy():
     state = zfunc.init(_model(), zfunc.Config(stage=3))
     zfunc.backward_step(state, loss_fn, _micro(0, 0, 0))
     assert seen and seen[0].state.binding.flight is state.binding.flight
+
+
+def test_zero_grad_inside_a_window_keeps_or_drops_it_as_deepspeeds_stages_do():
+    """A ``zero_grad()`` between two micro-batches of one window: DeepSpeed's engine drops the
+    module's ``.grad`` only, which at stages 0-1 is the window so far and at stages 2-3 nothing
+    (each backward reduced it into the shards already); its ZeRO optimizer's drops the window at
+    stages 0, 1 and 3 (at 3 the next backward overwrites the shards) and keeps it at stage 2 (a
+    Lightning epoch whose length ``accumulate_grad_batches`` does not divide calls it there).
+    Against plain SGD on the micro-batches the step keeps."""
+    def loss_fn(model, k):
+        x, y = _micro(0, k, 0)
+        return F.mse_loss(model(x), y)
+
+    grads = []
+    for k in (0, 1):
+        ref = _model()
+        loss_fn(ref, k).backward()
+        grads.append({n: p.grad / 2 for n, p in ref.named_parameters()})  # each backward 1/GAS of the step
+    start = dict(_model().named_parameters())
+    for stage in (0, 1, 2, 3):
+        for which in ("engine", "optimizer"):
+            engine, optimizer, *_ = zfunc.initialize(model=_model(), config=_config(stage, 2))
+            engine.backward(loss_fn(engine, 0))
+            engine.step()
+            (engine if which == "engine" else optimizer).zero_grad()
+            engine.backward(loss_fn(engine, 1))
+            engine.step()
+            kept = stage >= 2 if which == "engine" else stage == 2
+            full = zfunc.full_params(engine.state)
+            for n, p in start.items():
+                expected = p.detach() - LR * (grads[1][n] + (grads[0][n] if kept else 0))
+                assert torch.allclose(full[n], expected, atol=1e-6), (stage, which, n)

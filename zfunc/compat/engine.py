@@ -388,7 +388,7 @@ class Engine(ConfigAccessors, WeightsOut, Checkpoints, torch.nn.Module):
         """A refusal: forget the backwards counted since the last optimizer step and empty the
         gradients they accumulated."""
         self._tasks, self._losses, self._scaled_tasks = set(), [], set()
-        self.zero_grad()
+        self._empty_grads()
 
     def _step(self, lr_kwargs: Mapping[str, Any] | None) -> None:
         boundary = self.is_gradient_accumulation_boundary()
@@ -433,7 +433,16 @@ class Engine(ConfigAccessors, WeightsOut, Checkpoints, torch.nn.Module):
         return st
 
     def zero_grad(self) -> None:
-        """Drop the gradients accumulated since the last step."""
+        """DeepSpeed's: the module's parameters' gradients go. At stages 0-1 those are the
+        gradients accumulated since the last step, dropped; at stages 2-3 each backward has
+        reduced them into the ranks' shards already, where they stay until the step (DeepSpeed's
+        ZeRO-2/3 keep them there too; ``optimizer.zero_grad()`` drops them at stage 3, where it
+        makes the next backward overwrite them)."""
+        if self._live().cfg.stage < 2:
+            self._empty_grads()
+
+    def _empty_grads(self) -> None:
+        """Drop the gradients accumulated since the last step, at every stage."""
         if not is_released(self._live().grads):
             self._state.grads.zero_()
 

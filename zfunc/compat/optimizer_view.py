@@ -334,6 +334,11 @@ class OptimizerView(torch.optim.Optimizer):
     cur_scale = loss_scale
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the gradients accumulated since the last step (``engine.zero_grad()``)."""
+        """DeepSpeed's ZeRO optimizer's: drops the gradients accumulated since the last step, but
+        at stage 2, where each backward has reduced them into the ranks' shards already and
+        DeepSpeed's ZeRO-2 optimizer keeps them there (a ``zero_grad()`` at the start of an
+        accumulation cycle that falls inside the engine's window, as Lightning's at an epoch of
+        a length ``accumulate_grad_batches`` does not divide, leaves the window whole)."""
         del set_to_none
-        self._engine.zero_grad()
+        if self._engine.cfg.stage != 2:
+            self._engine._empty_grads()

@@ -231,6 +231,12 @@ def _refuse_unknown(ds: Mapping[str, Any]) -> None:
         raise _err("bf16.check_grad_overflow", "true (zfunc always skips a step whose gradients are not finite)", False)
     if bf16.get("immediate_grad_update") is True:
         raise _err("bf16.immediate_grad_update", "false (zfunc accumulates gradients until the step)", True)
+    sixteen = bool(bf16.get("enabled")) or bool(_section(ds, "fp16").get("enabled"))
+    if zero.get("load_from_fp32_weights", True) is not True and (sixteen or not isinstance(
+            zero["load_from_fp32_weights"], bool)):
+        raise _err("zero_optimization.load_from_fp32_weights", "true (zfunc loads the fp32 master weights a "
+                   "checkpoint holds; DeepSpeed's false rebuilds them from the 16-bit weights, which is not "
+                   "implemented): remove the key", zero["load_from_fp32_weights"])
 
 
 def deepspeed_muon_rule(name: str, param: torch.Tensor) -> bool:
