@@ -140,8 +140,8 @@ class Checkpoints:
         client = extra.get("client_state") if isinstance(extra, dict) else None  # (zfunc.save's extra: any value)
         self.state = loaded
         self.optimizer.write_back()  # the loaded hyperparameters (e.g. a hand-set lr) in the groups
-        if not load_module_only:
-            self.micro_steps, self.global_samples = extra["micro_steps"], extra["global_samples"]
+        if not load_module_only:  # micro_steps stays the engine's own, as DeepSpeed's (it does not restore it)
+            self.global_samples = extra["global_samples"]
         return path, client
 
     def _check_load_keywords(self, strict: bool, optimizer_states: bool, scheduler_states: bool,
