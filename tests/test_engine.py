@@ -580,13 +580,51 @@ def test_the_optimizer_answers_overflow_and_scale_as_deepspeeds():
     assert optimizer.overflow is True and optimizer.cur_scale == engine.loss_scale == 8.0
 
 
-def test_the_optimizer_view_refuses_to_save_what_it_does_not_hold():
-    """An empty ``state_dict()`` would save no moments without a word: it names the checkpoint calls."""
-    _, optimizer, *_ = zfunc.initialize(model=torch.nn.Linear(2, 1), config={"train_batch_size": 1})
-    with pytest.raises(RuntimeError, match=r"engine.save_checkpoint\(dir\)"):
-        optimizer.state_dict()
-    with pytest.raises(RuntimeError, match=r"engine.load_checkpoint\(dir\)"):
-        optimizer.load_state_dict({})
+def _saved_by_lightning(rank: int, stage: int) -> dict:
+    """What a Lightning checkpoint asks of a DeepSpeed strategy and drops: the module's and the
+    optimizer's ``state_dict()``; and ``save_checkpoint(..., exclude_frozen_parameters=False)``."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    engine, optimizer, *_ = zfunc.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}})
+    engine.backward(engine(torch.randn(2, 3)).square().mean())
+    engine.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = model.state_dict()
+    sd = optimizer.state_dict()
+    local = optimizer.state
+    same = all(torch.equal(sd["state"][i]["exp_avg"], local[p]["exp_avg"])
+               for i, p in enumerate(q for g in optimizer.param_groups for q in g["params"]))
+    try:
+        optimizer.load_state_dict(sd)
+        refused = ""
+    except RuntimeError as e:
+        refused = str(e)
+    return {"said": [str(w.message) for w in caught], "sizes": [t.numel() for t in module.values()],
+            "groups": [g["lr"] for g in sd["param_groups"]], "same": same, "refused": refused,
+            "held": sum(v["exp_avg"].numel() for v in sd["state"].values())}
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_what_a_lightning_checkpoint_asks_of_the_module_and_the_optimizer(stage):
+    """The optimizer's ``state_dict()`` is what this rank holds (its part of each moment, as
+    DeepSpeed's ZeRO optimizer gives its partition; the groups), and loading one back refuses and
+    names ``engine.load_checkpoint``; at stage 3 the module's ``state_dict()`` holds empty
+    placeholders, as DeepSpeed's, and says so with a warning naming where the weights are."""
+    results = run_ranks(_saved_by_lightning, 2, stage)
+    elements = 4 * 3 + 4 + 2 * 4 + 2
+    for r in results:
+        assert r["same"] and r["groups"] == [0.1] and "engine.load_checkpoint(dir)" in r["refused"]
+        if stage == 3:
+            assert r["sizes"] == [0, 0, 0, 0] and len(r["said"]) == 1 and "module_state_dict()" in r["said"][0]
+        else:
+            assert r["sizes"] == [12, 4, 8, 2] and r["said"] == []
+    held = [r["held"] for r in results]
+    assert sum(held) == (elements if stage else 2 * elements), held  # each rank its own part from stage 1
 
 
 def test_the_optimizer_view_state_holds_the_moments_as_torchs_adamw_does():

@@ -85,6 +85,7 @@ def test_lightning_deepspeed_strategy_on_zfunc_equals_it_on_deepspeed(runs, case
     ours, ref = _read(os.path.join(runs, f"{case}.json")), _read(os.path.join(FIXTURES, f"{case}.json"))
     _same_logs(ours["logs"], ref["logs"], TOL["fp32"], [1, 2, 3, 4])
     _same_weights(ours["weights"], ref["weights"], TOL["fp32"])
+    assert ours["checkpoints"] == ["epoch=0-step=4.ckpt"], ours["checkpoints"]  # its default checkpointing
 
 
 def _same_logs(ours: list[dict], ref: list[dict], tol: dict, steps: list[int]) -> None:

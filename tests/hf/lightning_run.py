@@ -91,7 +91,7 @@ def run_case(name: str, work: str) -> dict:
     strategy = CPUDeepSpeedStrategy(stage=case["stage"], process_group_backend="gloo")
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS,
                          accumulate_grad_batches=case["gas"], gradient_clip_val=1.0, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=True, enable_progress_bar=False, enable_model_summary=False,
                          default_root_dir=os.path.join(work, name), use_distributed_sampler=True)
     loader = torch.utils.data.DataLoader(dataset(), batch_size=MICRO, shuffle=False)
     trainer.fit(lm, loader)
@@ -104,6 +104,8 @@ def run_case(name: str, work: str) -> dict:
                        for i, loss in enumerate(losses)]}
     if int(os.environ.get("RANK", 0)) == 0:
         result["weights"] = {k: saved_tensor(v) for k, v in sorted(sd.items())}
+        # Lightning's default ModelCheckpoint saved through the strategy (module and optimizer state_dict asked for)
+        result["checkpoints"] = sorted(os.listdir(trainer.checkpoint_callback.dirpath))
     return result
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -529,10 +530,13 @@ def _weakly(engine: Engine, method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _no_stage3_state_dict(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
+    """A stage-3 module's ``state_dict()`` holds empty placeholders, as DeepSpeed's does (Lightning
+    asks for it at every checkpoint and drops it): said, since the weights are not in it."""
     if prefix == "":
-        raise RuntimeError("engine.module.state_dict(): at ZeRO stage 3 the module holds no parameters (each rank "
-                           "holds shards); use engine.module_state_dict() or engine.save_16bit_model(dir) (on every "
-                           "rank), or zfunc.full_params(engine.state)")
+        warnings.warn("engine.module.state_dict(): at ZeRO stage 3 the module holds no parameters (each rank "
+                      "holds shards): its entries are empty placeholders, as DeepSpeed's. For the weights use "
+                      "engine.module_state_dict() or engine.save_16bit_model(dir) (on every rank), or "
+                      "zfunc.full_params(engine.state)", stacklevel=3)
 
 
 class _SchedulerView:

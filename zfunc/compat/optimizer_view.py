@@ -312,10 +312,15 @@ class OptimizerView(torch.optim.Optimizer):
     def state(self, value: Any) -> None:  # torch.optim.Optimizer.__init__ assigns an empty dict: not used
         del value
 
-    def state_dict(self) -> dict[str, Any]:  # noqa: D102 - see the message
-        raise RuntimeError("optimizer.state_dict(): the optimizer's moments live sharded in engine.state, not in this "
-                           "view; save them with engine.save_checkpoint(dir) (DeepSpeed's way) or zfunc.save(dir, "
-                           "engine.state), and read one with zfunc.utils.safe_get_full_optimizer_state(param, key)")
+    def state_dict(self) -> dict[str, Any]:
+        """What this rank holds, in torch's format, as DeepSpeed's ZeRO optimizer gives its own
+        partition: each trained parameter's moments under DeepSpeed's keys (`state`: at stages
+        1-3 the flat slice of it this rank owns, empty where it owns none), and the groups. Not a
+        checkpoint: `load_state_dict` refuses it (save with ``engine.save_checkpoint(dir)`` or
+        ``zfunc.save``; read a parameter's whole moment with
+        ``zfunc.utils.safe_get_full_optimizer_state(param, key)``). Lightning asks for it at every
+        checkpoint and drops it, as it does DeepSpeed's."""
+        return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # noqa: D102 - see the message
         raise RuntimeError("optimizer.load_state_dict(): load the optimizer with engine.load_checkpoint(dir) (it "
