@@ -933,3 +933,25 @@ def test_save_checkpoint_inside_an_accumulation_window_saves_the_last_step(stage
         loader.backward(nn.functional.cross_entropy(loader(x), y))
         loader.step()
     assert all(torch.equal(plain[n], t) for n, t in zfunc.full_params(loader.state).items())
+
+
+def test_the_global_grad_norm_is_none_until_the_engines_first_step(tmp_path):
+    """As DeepSpeed's ``get_global_grad_norm()``: None before the engine's first step (a
+    micro-step inside the first window included), the last step's norm after it, and a load
+    leaves it as it was (a fresh engine that loads still answers None)."""
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, *_ = zfunc.initialize(model=_model(), config=cfg)
+    assert engine.get_global_grad_norm() is None
+    norms = []
+    for i in range(4):
+        engine.backward(nn.functional.cross_entropy(engine(torch.randn(2, 4)), torch.tensor([0, 1])))
+        engine.step()
+        norms.append(engine.get_global_grad_norm())
+    assert norms[0] is None and norms[1] > 0 and norms[2] == norms[1] and norms[3] > 0 and norms[3] != norms[1]
+    engine.save_checkpoint(tmp_path)
+    fresh, *_ = zfunc.initialize(model=_model(), config=cfg)
+    fresh.load_checkpoint(tmp_path)
+    assert fresh.get_global_grad_norm() is None
+    engine.load_checkpoint(tmp_path)
+    assert engine.get_global_grad_norm() == norms[3]

@@ -97,6 +97,7 @@ class Engine(ConfigAccessors, WeightsOut, Checkpoints, torch.nn.Module):
         self._batch = batch
         self._boundary: bool | None = None
         self._applied = False
+        self._last_norm: torch.Tensor | None = None  # the last step's gradient norm (kept across loads, as DeepSpeed's)
         self._tasks: set[int] = set()  # the backwards that reached the model since the last step()
         self._losses: list[torch.Tensor] = []  # the losses engine.backward saw since then
         self._call_buffers: list[dict[str, torch.Tensor]] = []  # each call's buffers since then (`_keep_buffers`)
@@ -419,6 +420,8 @@ class Engine(ConfigAccessors, WeightsOut, Checkpoints, torch.nn.Module):
         if boundary:
             self._share_module_params()  # the buffers may be new tensors (rank 0's)
         self._applied = boundary
+        if boundary:
+            self._last_norm = st.metrics.grad_norm.clone()  # (no sync: read when asked)
         self.micro_steps += 1
         if boundary and self.cfg.lr_schedule is not None:
             self.optimizer.write_back()  # show the schedule's next learning rates, as DeepSpeed does
@@ -471,9 +474,11 @@ class Engine(ConfigAccessors, WeightsOut, Checkpoints, torch.nn.Module):
         lrs = learning_rates(self._live()).tolist()
         return [lrs[g] for g in self.optimizer.index]
 
-    def get_global_grad_norm(self) -> float:
-        """The global gradient norm of the last step (unscaled, before clipping)."""
-        return self._live().metrics.grad_norm.item()
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm of this engine's last step (unscaled, before clipping); None
+        before its first, as DeepSpeed's (a `load_checkpoint` leaves it as it was)."""
+        self._live()
+        return None if self._last_norm is None else self._last_norm.item()
 
     def empty_partition_cache(self) -> None:
         """DeepSpeed's: release the stage-3 parameters gathered and kept between uses. zfunc keeps
