@@ -1177,3 +1177,30 @@ def test_plain_torch_in_another_thread_during_a_zfunc_backward_recomputes_on_its
     assert all(torch.equal(g, e) for g, e in zip(got_b, alone_b))
     assert not isinstance(out["a"], Exception), out["a"]
     assert torch.equal(out["a"], alone_a)
+
+
+def test_a_graph_kept_after_its_backward_leaves_no_global_hook():
+    """The global pre-hook that stands for the recompute hooks is there only while a backward
+    runs through the call: a backward that recomputed nothing, whose graph stays referenced (a
+    loop's last ``loss``, a kept output), leaves none in torch's table, at every stage; a second
+    backward through the kept graph arms it again and leaves none either."""
+    from torch.nn.modules import module as torch_module
+
+    for stage in (0, 3):
+        torch.manual_seed(0)
+        state = zfunc.init(Stack(2), zfunc.Config(stage=stage, persist_threshold=0))
+        base = len(torch_module._global_forward_pre_hooks)
+        backward = zfunc.core.backward
+        state, _ = zfunc.backward_step(state, _stack_loss, (torch.randn(4, 8), torch.randn(4, 1)))  # (a gradient buffer)
+        base = len(torch_module._global_forward_pre_hooks)
+        out = backward.bind(state, backward.sinks_into(state, state.grads))(torch.randn(4, 8)).sum()
+        during: list[int] = []
+        inner = out.grad_fn.next_functions[0][0]  # reached after the call's outputs: armed by then
+        inner.register_prehook(lambda g: during.append(len(torch_module._global_forward_pre_hooks)))
+        out.backward(retain_graph=True)
+        assert during == [base + 1], (stage, during, base)
+        assert len(torch_module._global_forward_pre_hooks) == base, stage  # `out` still holds the graph
+        out.backward()
+        assert during == [base + 1] * 2 and len(torch_module._global_forward_pre_hooks) == base, stage
+        del out, inner
+        assert len(torch_module._global_forward_pre_hooks) == base, stage

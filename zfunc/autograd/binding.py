@@ -184,6 +184,8 @@ class ModuleBinding(Routing, Recompute):
         self._users: dict[int, int] = {}
         self._users_lock = threading.RLock()  # reentrant: a weakref callback may run under it (`_call_gone`)
         self.flight = calls.InFlight()  # the calls running and the backwards through their outputs
+        me = weakref.ref(self)
+        self.flight.idle = lambda: me() is not None and me()._disarm()  # (`Recompute._arm`)
         self.reads = DirectReads(module, layout.names)  # a recomputation reading a parameter off the module
         # Unit parameters by name as the module holds them outside their unit's forward
         # (placeholders that refuse to compute), so the enclosing functional_call restores them.
@@ -549,7 +551,7 @@ class ModuleBinding(Routing, Recompute):
                 self._watch.add(weakref.ref(call, lambda ref: me() is not None and me()._call_gone(ref)))
                 self._forget_source()
             # A backward reaching the call's outputs puts the recompute hooks on (`calls._entered`)
-            call.on_backward = lambda: me() is not None and me()._reached()
+            call.on_backward = lambda first: me() is not None and me()._reached(first)
 
 
 def _rebuilt(module: torch.nn.Module, layout: Layout, stage: int,

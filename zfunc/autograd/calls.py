@@ -57,6 +57,7 @@ class InFlight:
         self._entered: dict[int, int] = {}  # graph task -> backwards through it
         self._threads: dict[int, set[int]] = {}  # graph task -> the threads its markers ran in (`enclosing`)
         self.acting: dict[int, int] = {}  # graph task -> the backward it runs for (`task_now`)
+        self.idle: Callable[[], Any] | None = None  # called when no backward runs through the calls any more
         self._lock = threading.Lock()
 
     def current(self) -> Any:
@@ -134,6 +135,9 @@ class InFlight:
             if self._entered[task] == 0:
                 del self._entered[task]
                 self._threads.pop(task, None)
+            none = self.backwards == 0
+        if none and self.idle is not None:
+            self.idle()
 
 
 def _entered(call: Any, flight: InFlight, task: int) -> None:
@@ -152,11 +156,12 @@ def _entered(call: Any, flight: InFlight, task: int) -> None:
             "state, then the backward came (in plain torch an optimizer step between them fails too). Run the "
             "backward before the step, or run the forward again after it")
     call.tasks.add(task)
-    on_backward = getattr(call, "on_backward", None)  # the binding's recompute hooks go on
-    if on_backward is not None:
-        on_backward()
-    flight._enter_backward(task)
+    first = flight.backwards == 0
+    flight._enter_backward(task)  # (counted before the hooks are armed: `InFlight.idle` disarms at none)
     at_backward_end(_Left(flight, task))  # at its end, or when it fails (`_Left`)
+    on_backward = getattr(call, "on_backward", None)  # the binding's recompute hooks are armed
+    if on_backward is not None:
+        on_backward(first)
 
 
 def at_backward_end(fn: Callable[[], Any]) -> None:

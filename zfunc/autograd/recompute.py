@@ -355,13 +355,14 @@ class Recompute:
                 self._last_source = (task, weakref.ref(mine[0]))
         return mine[0]
 
-    def _reached(self) -> None:
-        """A backward reached a call's outputs: the recompute hooks are armed (`_arm`), and which
-        call a recomputation belongs to is found afresh (`_source`)."""
+    def _reached(self, first: bool) -> None:
+        """A backward reached a call's outputs (``first``: while no other ran through the calls):
+        the recompute hooks are armed (`_arm`), and which call a recomputation belongs to is found
+        afresh (`_source`)."""
         with self._users_lock:
             self._forget_source()
         me = threading.get_ident()
-        if self.flight.backwards == 0 and self.flight.current() is None:
+        if first and self.flight.current() is None:
             # What a recomputation torch stopped past the post-hooks left in this thread (a
             # KeyboardInterrupt: torch runs them on an Exception only), undone before this
             # backward recomputes: its covers, and its counts of the modules running.
@@ -378,7 +379,8 @@ class Recompute:
         first of them is called while a backward runs (a recomputation), from one pre-hook in
         torch's global table until then (`_first_recompute`), so a backward that recomputes
         nothing puts none on and takes none off. It leaves the table when the hooks go on
-        (`attach`), or with them once no call's graph lives. A module compiled in place (its call
+        (`attach`), when no backward runs through the calls any more (`_disarm`), or with the
+        hooks once no call's graph lives. A module compiled in place (its call
         and the global pre-hook compiled with it, where no hook table can be written) puts the
         hooks on at once, as they would be traced in its recomputation."""
         if compiled_in_place(self._module_dicts):
@@ -389,6 +391,16 @@ class Recompute:
                 return
             self._armed.append(torch.nn.modules.module.register_module_forward_pre_hook(
                 _first_recompute(weakref.ref(self))))
+
+    def _disarm(self) -> None:
+        """No backward runs through the calls any more: the global pre-hook of `_arm` leaves
+        torch's table (a graph kept alive after its backward, a loop's last ``loss``, leaves no
+        global hook behind; the next backward that reaches a call's outputs arms it again)."""
+        with self._users_lock:
+            if self.flight.backwards == 0:
+                for handle in self._armed:
+                    handle.remove()
+                self._armed.clear()
 
     def _forget_source(self) -> None:
         """(Under the lock.) `_source`'s kept answer may be stale: found afresh next time."""
