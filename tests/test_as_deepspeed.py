@@ -317,3 +317,36 @@ def test_config_wins_over_config_params_as_in_deepspeed():
     assert engine.train_micro_batch_size_per_gpu() == 4
     engine, *_ = zfunc.initialize(model=torch.nn.Linear(2, 1), config_params=ds)
     assert engine.train_micro_batch_size_per_gpu() == 4
+
+
+def test_accelerates_cpu_adam_for_an_offloaded_optimizer_trains_as_torchs():
+    """With ``offload_optimizer`` and no ``optimizer`` section, Accelerate turns the client's
+    optimizer into ``deepspeed.ops.adam.DeepSpeedCPUAdam`` (AdamW when it was one, else Adam's
+    L2 decay): the switch serves it, and one step equals torch's AdamW / Adam."""
+    pytest.importorskip("accelerate")
+    done = _code("""
+        import copy, zfunc
+        zfunc.as_deepspeed()
+        import torch, deepspeed
+        from accelerate.utils.deepspeed import map_pytorch_optim_to_deepspeed
+        for cls in (torch.optim.AdamW, torch.optim.Adam):
+            torch.manual_seed(0)
+            model = torch.nn.Linear(3, 2)
+            ref = copy.deepcopy(model)
+            opt = map_pytorch_optim_to_deepspeed(cls(model.parameters(), lr=0.1, weight_decay=0.1))
+            engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config={
+                "train_batch_size": 1, "gradient_clipping": 0.0,
+                "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+            x = torch.randn(1, 3)
+            engine.backward(engine(x).square().sum())
+            engine.step()
+            torch_opt = cls(ref.parameters(), lr=0.1, weight_decay=0.1)
+            ref(x).square().sum().backward()
+            torch_opt.step()
+            full = zfunc.full_params(engine.state)
+            print(type(opt).__name__, max((full[n] - p).abs().max().item() for n, p in ref.named_parameters()))
+    """)
+    assert done.returncode == 0, done.stderr
+    lines = [line.split() for line in done.stdout.strip().splitlines()]
+    assert [name for name, _ in lines] == ["DeepSpeedCPUAdam", "DeepSpeedCPUAdam"], done.stdout
+    assert all(float(diff) < 1e-6 for _, diff in lines), done.stdout

@@ -37,7 +37,8 @@ _BOOKKEEPING = {"initial_lr", "name", "decoupled_weight_decay", "nesterov", "ini
 _TORCH = {torch.optim.Adam: ("adam", ()), torch.optim.AdamW: ("adam", ()), torch.optim.SGD: ("sgd", ("nesterov",)),
           torch.optim.Adagrad: ("adagrad", ("initial_accumulator_value",)),
           torch.optim.Muon: ("muon", ("nesterov", "ns_coefficients", "ns_steps", "adjust_lr_fn"))}
-# DeepSpeed's own Adam classes (deepspeed.ops.adam), known by name: AdamW when ``adam_w_mode``.
+# DeepSpeed's own Adam classes (deepspeed.ops.adam, or the switch's: `zfunc.compat.deepspeed_adam`),
+# known by name: AdamW when ``adam_w_mode``.
 _DEEPSPEED_ADAM = ("FusedAdam", "DeepSpeedCPUAdam")
 
 
@@ -46,7 +47,7 @@ def _kind(optimizer: Any) -> tuple[str, tuple[str, ...]] | None:
     if type(optimizer) in _TORCH:
         return _TORCH[type(optimizer)]
     cls = type(optimizer)
-    if cls.__name__ in _DEEPSPEED_ADAM and cls.__module__.startswith("deepspeed.ops.adam"):
+    if cls.__name__ in _DEEPSPEED_ADAM and cls.__module__.startswith(("deepspeed.ops.adam", "zfunc.compat.deepspeed_adam")):
         return "adam", ()
     return None
 

@@ -1,0 +1,1 @@
+"""``deepspeed.ops``: the Adam classes only (`zfunc.compat.deepspeed_adam`)."""
