@@ -329,6 +329,25 @@ def test_a_users_hook_under_any_id_stays_and_runs():
         assert torch.allclose(losses[0], ref(x).sum()), stage  # the hook's doubling in it
 
 
+def test_a_state_sharing_buffers_with_a_donated_one_is_refused_by_name():
+    """``s, _ = backward_step(own, ...)`` shares ``own``'s weights and moments; donating ``s``
+    empties them, so ``own`` is spent too: every use of it says so and names the donation,
+    instead of failing on shapes or answering zeros (``memory_report``) and empty copies, at
+    every stage."""
+    import pickle
+
+    for stage in (0, 1, 2, 3):
+        torch.manual_seed(0)
+        own = zfunc.init(nn.Linear(3, 2), zfunc.Config(stage=stage))
+        s, _ = zfunc.backward_step(own, lambda m, x: m(x).square().mean(), torch.ones(2, 3))
+        zfunc.apply_step(s, donate=True)
+        for use in (lambda: zfunc.backward_step(own, lambda m, x: m(x).sum(), torch.ones(2, 3)),
+                    lambda: zfunc.full_params(own), lambda: zfunc.memory_report(own),
+                    lambda: copy.deepcopy(own), lambda: pickle.dumps(own)):
+            with pytest.raises(RuntimeError, match="shares its buffers with a state donated to apply_step"):
+                use()
+
+
 def test_a_tensor_kept_from_a_donated_state_never_reads_the_next_one():
     """Each way a user can keep one: a field, a leaf of zfunc.tree.leaves, full_params (stage 0)."""
     for stage in (0, 2):

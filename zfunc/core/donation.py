@@ -106,7 +106,10 @@ def donate_(state: TrainState, by: str, new: TrainState | None = None,
         mine = {id(t) for t in old}
         new = tree.map(lambda t: t.detach() if isinstance(t, torch.Tensor) and id(t) in mine else t, new)
         reused = {_memory(t) for t in (*tree.leaves(new), *kept) if isinstance(t, torch.Tensor)}
-        set_data([(t, torch.empty(0, dtype=t.dtype, device=t.device)) for t in old if _memory(t) in reused])
+        emptied = [t for t in old if _memory(t) in reused]
+        set_data([(t, torch.empty(0, dtype=t.dtype, device=t.device)) for t in emptied])
+        for t in emptied:  # another state holding the same tensor (one made from this without donating) is spent too
+            t.zfunc_spent_by = by
     for f in dataclasses.fields(state):
         if f.metadata.get("pytree_node", True):
             object.__setattr__(state, f.name, Donated(by, f.name))
@@ -124,6 +127,27 @@ def is_donated(state: TrainState) -> bool:
 
 
 def check_live(state: TrainState, what: str) -> None:
-    """Refuse a donated ``state`` at the door of ``what``."""
+    """Refuse a donated ``state`` at the door of ``what``, and one whose buffers another state's
+    donation emptied (states made from one another without donating share them).
+
+    Examples:
+        >>> import torch, zfunc
+        >>> own = zfunc.init(torch.nn.Linear(2, 1), zfunc.Config())
+        >>> s, _ = zfunc.backward_step(own, lambda m, x: m(x).sum(), torch.ones(1, 2))  # shares own's weights
+        >>> _ = zfunc.apply_step(s, donate=True)
+        >>> try:
+        ...     zfunc.full_params(own)
+        ... except RuntimeError as e:
+        ...     print(str(e)[:66])
+        full_params: this state shares its buffers with a state donated to
+    """
     if is_donated(state):
         raise RuntimeError(_message(state.__dict__["params"].by, what))
+    for name in ("params", "compute", "grads"):
+        by = getattr(state.__dict__.get(name), "zfunc_spent_by", None)
+        if by is not None:
+            raise RuntimeError(
+                f"{what}: this state shares its buffers with a state donated to {by} (donate=True), which "
+                f"reused them ({name} is empty now): a state and one made from it without donating (s, _ = "
+                "zfunc.backward_step(own, ...)) share their weights and moments, so donating either spends both. "
+                "Use the state the donating call returned, or call it without donate=True")

@@ -303,7 +303,11 @@ class TrainState:
     def __reduce__(self) -> tuple:
         """Pickled field by field; ``params`` that views ``compute`` (the master weights in the
         compute dtype, stages 1-2) as where in it, so the unpickled state keeps them once (torch
-        pickles each tensor's storage apart)."""
+        pickles each tensor's storage apart). A donated state, or one whose buffers a donation
+        emptied, is refused (`zfunc.core.donation.check_live`), as in ``copy.deepcopy``."""
+        from zfunc.core.donation import check_live
+
+        check_live(self, "pickle / copy.deepcopy")
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         p, c = self.params, self.compute
         view = None

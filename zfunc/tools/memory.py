@@ -6,6 +6,8 @@ from collections.abc import Callable
 
 import torch
 
+from zfunc.core.donation import check_live
+
 from zfunc.core import opt_state
 from zfunc.core.config import Config
 from zfunc.core.create import trainable_params, units_of
@@ -37,6 +39,7 @@ def memory_report(state: TrainState) -> dict[str, int]:
         >>> zfunc.memory_report(state)["grads"]                      # during a step
         32
     """
+    check_live(state, "memory_report")
     def nbytes(*ts: torch.Tensor) -> int:
         seen: dict[int, int] = {}
         for t in ts:
