@@ -1047,7 +1047,7 @@ def test_a_fresh_state_beside_a_pending_pullback_recomputes_on_its_own_call():
 
 
 
-def test_the_recompute_hooks_go_on_at_the_first_recomputation_only():
+def test_the_recompute_hooks_go_on_at_the_first_recomputation_only(monkeypatch):
     """A backward that recomputes nothing puts no hook on the module's modules and takes none
     off: one pre-hook in torch's global table stands for them from the moment a backward reaches
     the call's outputs until a hooked module is called while it runs (a recomputation), and none
@@ -1055,6 +1055,8 @@ def test_the_recompute_hooks_go_on_at_the_first_recomputation_only():
     of the user's pre-hook, which reads the call's weight there (as a weight-norm hook does), not
     the module's own (stale after a step)."""
     from torch.nn.modules import module as torch_module
+
+    monkeypatch.setattr("zfunc.autograd.recompute.compiled_anything", lambda: False)  # (another test may compile)
 
     def on_modules(model: torch.nn.Module) -> int:
         return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
@@ -1179,13 +1181,14 @@ def test_plain_torch_in_another_thread_during_a_zfunc_backward_recomputes_on_its
     assert torch.equal(out["a"], alone_a)
 
 
-def test_a_graph_kept_after_its_backward_leaves_no_global_hook():
+def test_a_graph_kept_after_its_backward_leaves_no_global_hook(monkeypatch):
     """The global pre-hook that stands for the recompute hooks is there only while a backward
     runs through the call: a backward that recomputed nothing, whose graph stays referenced (a
     loop's last ``loss``, a kept output), leaves none in torch's table, at every stage; a second
     backward through the kept graph arms it again and leaves none either."""
     from torch.nn.modules import module as torch_module
 
+    monkeypatch.setattr("zfunc.autograd.recompute.compiled_anything", lambda: False)  # (another test may compile)
     for stage in (0, 3):
         torch.manual_seed(0)
         state = zfunc.init(Stack(2), zfunc.Config(stage=stage, persist_threshold=0))
@@ -1204,3 +1207,47 @@ def test_a_graph_kept_after_its_backward_leaves_no_global_hook():
         assert during == [base + 1] * 2 and len(torch_module._global_forward_pre_hooks) == base, stage
         del out, inner
         assert len(torch_module._global_forward_pre_hooks) == base, stage
+
+
+def _compiled_wrappers(rank: int, reentrant: bool, compiled: bool) -> tuple[torch.Tensor, list[int], int, list[str]]:
+    """A backward of `Stack` with each block checkpointed, compiled as ``torch.compile`` wrappers
+    or eager: the gradient, the size of torch's global pre-hook table during the backward (and
+    before it), and the warnings that named global hooks."""
+    import warnings
+
+    from torch.nn.modules import module as torch_module
+
+    torch.manual_seed(0)
+    model = Stack(2)
+    model.ckpt = "reentrant" if reentrant else "non_reentrant"
+    if compiled:
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block, backend="eager")
+    state = zfunc.init(model, zfunc.Config(stage=0, optimizer=zfunc.sgd(lr=0.1)))
+    table: list[int] = []
+
+    def loss_fn(m, batch):
+        out = m(batch[0])
+        out.register_hook(lambda g: table.append(len(torch_module._global_forward_pre_hooks)))
+        return ((out - batch[1]) ** 2).mean()
+
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state, _ = zfunc.backward_step(state, loss_fn, batch)
+    said = [str(w.message) for w in caught if "global hooks" in str(w.message)]
+    return state.grads.clone(), table, len(torch_module._global_forward_pre_hooks), said
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_once_torch_compile_ran_no_global_hook_is_armed(reentrant):
+    """In a process where ``torch.compile`` has run, compiled code may run anywhere (a block's
+    ``torch.compile`` wrapper, another model in another thread), and a hook in torch's global
+    table would make it warn ("global hooks on modules") and recompile: the recompute hooks go on
+    the modules at once instead, and the table stays as it was. Blocks compiled as wrappers under
+    checkpointing train as eager, without that warning."""
+    (eager, _, _, _), = run_ranks(_compiled_wrappers, 1, reentrant, False)
+    (got, table, base, said), = run_ranks(_compiled_wrappers, 1, reentrant, True)
+    assert table == [base] and said == [], (table, base, said)  # nothing armed during the backward
+    assert torch.allclose(got, eager, atol=1e-6)

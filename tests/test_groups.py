@@ -372,9 +372,10 @@ def test_engine_module_state_dict_shows_the_trained_weights(precision, tmp_path)
             sd = engine.module.state_dict()
             assert set(sd) == set(expected) and all(torch.equal(sd[k], expected[k]) for k in sd), stage
             assert dict(engine.module.named_parameters())["0.weight"].dtype == dtype
-        else:
-            with pytest.raises(RuntimeError, match="module_state_dict"):
-                engine.module.state_dict()
+        else:  # DeepSpeed's empty placeholders, said with a warning naming where the weights are
+            with pytest.warns(UserWarning, match="module_state_dict"):
+                sd = engine.module.state_dict()
+            assert all(sd[n].numel() == 0 for n in full), stage
         engine.save_16bit_model(str(tmp_path), f"s{stage}.bin")
         saved = torch.load(tmp_path / f"s{stage}.bin")
         assert all(torch.equal(saved[k], expected[k]) for k in expected)

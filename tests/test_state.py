@@ -527,10 +527,11 @@ def test_an_ema_of_states_runs_on_its_own_weights():
 
 
 def test_an_in_place_map_updates_memory_two_leaves_share_once():
-    """At fp32 a state's ``params`` is its ``compute`` (or a slice of it): ``zfunc.tree.map_``
-    (and its path and accessor forms) updates that memory once, through the leaf that holds it
-    all, so an in-place EMA of a deep copy is the EMA (not the update applied twice), at every
-    stage; and a plain tree of a tensor and its view, once."""
+    """At fp32 a state's ``params`` is its ``compute`` (or this rank's slice of it):
+    ``zfunc.tree.map_`` (and its path form) runs the function on ``compute`` and then on
+    ``params`` only if that wrote nothing, so an in-place EMA of a deep copy is the EMA (not the
+    update applied twice), and a function that picks ``params`` by its path still updates it, at
+    every stage. Other trees are mapped as optree maps them (a tensor given twice, twice)."""
     def lerp_(e: torch.Tensor, x: torch.Tensor) -> None:  # (a released gradient buffer is an expanded zero)
         if e.is_floating_point() and e.shape == x.shape and 0 not in e.stride():
             e.lerp_(x, 0.5)
@@ -550,9 +551,14 @@ def test_an_in_place_map_updates_memory_two_leaves_share_once():
                 zfunc.tree.map_with_path_(lambda path, e, x: lerp_(e, x), ema, s1)
             got = zfunc.full_params(ema)
             assert all(torch.allclose(got[k], torch.lerp(old[k], new[k], 0.5)) for k in old), (stage, how)
+        for field in ("params", "compute"):  # a function that picks one of the two by its path
+            ema = copy.deepcopy(s0)
+            zfunc.tree.map_with_path_(lambda path, e: e.add_(1.0) if path == (field,) else None, ema)
+            got = zfunc.full_params(ema)
+            assert all(torch.allclose(got[k], old[k] + 1.0) for k in old), (stage, field)
     base = torch.zeros(4)
     zfunc.tree.map_(lambda t: t.add_(1), {"a": base[1:3], "b": base, "c": base})
-    assert base.tolist() == [1.0, 1.0, 1.0, 1.0]
+    assert base.tolist() == [2.0, 3.0, 3.0, 2.0]  # optree's: each leaf once, whatever it shares
 
 
 def _pickled(rank: int, stage: int) -> dict[str, Any]:

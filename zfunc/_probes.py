@@ -1,18 +1,18 @@
 """Read-only queries of torch's autograd and functorch state that have no public equivalent,
 in one place: which backward runs, whether a transform runs (and a tensor is a transform's),
 whether saved-tensor hooks are in force, the functorch switches zfunc's Functions use,
-whether a tensor is the only one over its memory, and whether a module was compiled in place.
+whether a tensor is the only one over its memory, and whether torch.compile has run.
 """
 
 from __future__ import annotations
 
-import itertools
+import sys
 from typing import Any
 
 import torch
 
 __all__ = ["graph_task", "in_backward", "in_transform", "hooks_active", "plain", "is_transformed",
-           "unwrap_dead", "sole_owner", "tensors_over", "compiled_in_place"]
+           "unwrap_dead", "sole_owner", "tensors_over", "compiled_anything"]
 
 
 def in_backward() -> bool:
@@ -39,22 +39,18 @@ def hooks_active() -> bool:
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
-def compiled_in_place(module_dicts: tuple[dict, ...]) -> bool:
-    """Whether one of the modules whose ``__dict__`` is in ``module_dicts`` was compiled in place
-    (``module.compile()``: its whole call, its hooks and torch's global ones included, runs as
-    compiled code). An attribute ``nn.Module`` keeps for it; no public query. (C loops: some
-    microseconds for a thousand modules.)
+def compiled_anything() -> bool:
+    """Whether ``torch.compile`` has compiled a frame in this process (Dynamo's count of the
+    frames it evaluated, which ``torch._dynamo.reset()`` keeps): compiled code may then run
+    anywhere in it, and a hook in torch's global table would make a compiled module warn and
+    recompile. A read of Dynamo's counters; no public equivalent.
 
     Examples:
-        >>> m = torch.nn.Sequential(torch.nn.Linear(1, 1))
-        >>> dicts = tuple(vars(x) for x in m.modules())
-        >>> compiled_in_place(dicts)
-        False
-        >>> m[0].compile(backend="eager")
-        >>> compiled_in_place(dicts)
+        >>> isinstance(compiled_anything(), bool)
         True
     """
-    return any(map(dict.get, module_dicts, itertools.repeat("_compiled_call_impl")))
+    dynamo = sys.modules.get("torch._dynamo")
+    return dynamo is not None and bool(dynamo.utils.counters["frames"]["total"])
 
 
 def plain() -> Any:

@@ -30,20 +30,21 @@ def _is_record(x: Any) -> bool:
     return callable(getattr(type(x), "combined", None))
 
 
-def _combining(plain: Callable[..., Any], in_place: bool) -> Callable[..., Any]:
+def _combining(plain: Callable[..., Any], in_place: bool, keyed: bool) -> Callable[..., Any]:
     """``plain`` (one of optree's map functions), after which each record of the result made
     from several trees (a `zfunc.core.state.TrainState` from two states: an EMA) settles its
     bookkeeping leaves against the records it was made from (``combined``): a combination of
-    states holds every rank's slice of ``compute`` only where all of them did."""
+    states holds every rank's slice of ``compute`` only where all of them did. In place, a
+    state's ``params`` that lies in its ``compute`` is written once (`_deferring`). ``keyed``:
+    ``func`` takes a path or accessor first."""
 
     @functools.wraps(plain)
     def combine(func: Callable[..., Any], first: Any, /, *rests: Any, is_leaf: Callable[[Any], bool] | None = None,
                 none_is_leaf: bool = False, namespace: str = "zfunc") -> Any:
-        if in_place:  # a leaf over memory another leaf holds (a state's params over its compute) is updated once
-            within = _within_others(tree.leaves(first, is_leaf=is_leaf, none_is_leaf=none_is_leaf,
-                                                namespace=namespace))
-            if within:
-                func = _skipping(func, within)
+        if in_place:  # a state's params that is its compute (or a view of it) is written once
+            aliased = _aliased_params(first, is_leaf, none_is_leaf, namespace)
+            if aliased:
+                func = _deferring(func, aliased, keyed)
         out = plain(func, first, *rests, is_leaf=is_leaf, none_is_leaf=none_is_leaf, namespace=namespace)
         if not rests:
             return out
@@ -68,38 +69,58 @@ def _combining(plain: Callable[..., Any], in_place: bool) -> Callable[..., Any]:
     return combine
 
 
-def _within_others(leaves: list[Any]) -> set[int]:
-    """The places of the tensors among ``leaves`` whose memory lies within another one's (the
-    same tensor again, or a view of it: at fp32 a state's ``params`` is its ``compute``, or a
-    slice of it): an in-place map updates that memory once, through the other (the first of
-    equal ones)."""
-    by_storage: dict[int, list[tuple[int, int, int]]] = {}
-    for i, x in enumerate(leaves):
-        if isinstance(x, torch.Tensor) and x.numel() and x.device.type != "meta":
-            start = x.data_ptr()
-            end = start + x.element_size() * (1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride())))
-            by_storage.setdefault(x.untyped_storage().data_ptr(), []).append((start, end, i))
-    out: set[int] = set()
-    for spans in by_storage.values():
-        for a, b, i in spans:
-            if any(j != i and a2 <= a and b <= b2 and ((a2, b2) != (a, b) or j < i) for a2, b2, j in spans):
-                out.add(i)
+def _aliased_params(first: Any, is_leaf: Callable[[Any], bool] | None, none_is_leaf: bool,
+                    namespace: str) -> dict[int, int]:
+    """For each state in ``first`` whose ``params`` lies in its ``compute`` (fp32 weights: the
+    master copy is the compute copy, or this rank's slice of it), the place of its ``params``
+    among ``first``'s leaves -> the place of its ``compute``. Only states' own two fields are
+    looked at."""
+    stop = _is_record if is_leaf is None else (lambda x: _is_record(x) or is_leaf(x))
+    items = [first] if _is_record(first) else tree.leaves(first, is_leaf=stop, none_is_leaf=none_is_leaf,
+                                                          namespace=namespace)
+    out: dict[int, int] = {}
+    at = 0
+    for x in items:
+        leaves = tree.leaves(x, is_leaf=is_leaf, none_is_leaf=none_is_leaf, namespace=namespace)
+        p, c = (x.__dict__.get("params"), x.__dict__.get("compute")) if _is_record(x) else (None, None)
+        if (len(leaves) > 1 and leaves[0] is p and leaves[1] is c and type(p) is torch.Tensor
+                and type(c) is torch.Tensor and p.device == c.device and p.device.type != "meta" and c.numel()
+                and p.untyped_storage().data_ptr() == c.untyped_storage().data_ptr()):
+            out[at] = at + 1
+        at += len(leaves)
     return out
 
 
-def _skipping(func: Callable[..., Any], places: set[int]) -> Callable[..., Any]:
-    """``func``, not called at the leaves in ``places`` (counted in the order an in-place map
-    visits them)."""
+def _deferring(func: Callable[..., Any], pairs: dict[int, int], keyed: bool) -> Callable[..., Any]:
+    """``func`` for an in-place map, where each ``params`` leaf of ``pairs`` (a place among the
+    leaves, in the order the map visits them) lies in the ``compute`` leaf it maps to: ``func``
+    runs on ``compute`` first, and on ``params`` after it only if that wrote nothing in place (a
+    function that updates every leaf, an EMA, writes the shared memory once; one that picks
+    ``params`` by its path still updates it). ``keyed``: a path or accessor comes first."""
     seen = iter(range(sys.maxsize))
+    later = {c: p for p, c in pairs.items()}
+    held: dict[int, tuple] = {}
 
     def at(*args: Any) -> Any:
-        return None if next(seen) in places else func(*args)
+        i = next(seen)
+        if i in pairs:  # params: after its compute
+            held[i] = args
+            return None
+        if i not in later:
+            return func(*args)
+        compute = args[1 if keyed else 0]
+        version = compute._version
+        func(*args)
+        params_args = held.pop(later[i])
+        if compute._version == version:
+            func(*params_args)
+        return None
     return at
 
 
 for _name in ("map", "map_with_path", "map_with_accessor"):
-    setattr(tree, _name, _combining(getattr(tree, _name), False))
-    setattr(tree, _name + "_", _combining(getattr(tree, _name + "_"), True))
+    setattr(tree, _name, _combining(getattr(tree, _name), False, _name != "map"))
+    setattr(tree, _name + "_", _combining(getattr(tree, _name + "_"), True, _name != "map"))
 
 dataclass = tree.dataclasses.dataclass
 field = tree.dataclasses.field

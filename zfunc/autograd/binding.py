@@ -223,7 +223,6 @@ class ModuleBinding(Routing, Recompute):
             self._phases.setdefault(phase, ([], []))[0 if is_pre else 1].append((mod, hook))
         # id(module) -> (module, its recompute pre-hook), for `Recompute._arm`'s global pre-hook
         self._recompute_pres = {id(mod): (mod, hook) for mod, hook in self._phases.get(_RECOMPUTE, ((), ()))[0]}
-        self._module_dicts = tuple(vars(m) for m in module.modules())  # (`Recompute._arm`: one compiled in place?)
 
     def occupy(self) -> None:
         """This thread starts running the module for a zfunc call (nested calls in one thread

@@ -26,7 +26,7 @@ import torch
 from zfunc._tree import tree
 from zfunc._probes import graph_task, is_transformed
 
-__all__ = ["InFlight", "at_backward_end", "mark_outputs", "note_backwards", "tensors_in"]
+__all__ = ["InFlight", "at_backward_end", "autograd_thread", "mark_outputs", "note_backwards", "tensors_in"]
 
 
 class InFlight:
@@ -162,6 +162,12 @@ def _entered(call: Any, flight: InFlight, task: int) -> None:
     on_backward = getattr(call, "on_backward", None)  # the binding's recompute hooks are armed
     if on_backward is not None:
         on_backward(first)
+
+
+def autograd_thread() -> bool:
+    """Whether this thread was started outside Python: autograd's device threads (on CUDA every
+    backward runs in one), as Python's ``threading`` shows such a thread (a dummy thread object)."""
+    return isinstance(threading.current_thread(), threading._DummyThread)
 
 
 def at_backward_end(fn: Callable[[], Any]) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from zfunc._probes import compiled_in_place, graph_task
+from zfunc._probes import compiled_anything, graph_task
 from zfunc.autograd import calls
 from zfunc.autograd.direct_reads import DirectReads
 from zfunc.autograd.swap import put_back, swap_in
@@ -53,7 +53,6 @@ class Recompute:
     _attached: set[int]
     _removed: bool
     _recompute_pres: dict[int, tuple[torch.nn.Module, Any]]
-    _module_dicts: tuple[dict, ...]
 
     def _install_recompute_hooks(self) -> None:
         """Hooks on each module that can read parameters outside the units in its forward: every
@@ -337,7 +336,10 @@ class Recompute:
             outer = self.flight.enclosing()
             mine = [c for c in live if outer in c.tasks]
         if not mine:
-            if not self.flight.ran_here():  # another thread's backward, through none of the calls
+            # Another Python thread's backward, through none of the calls (plain torch on the
+            # module meanwhile), recomputes nothing of theirs; autograd's own device threads (on
+            # CUDA, where every backward runs) are not told apart.
+            if not self.flight.ran_here() and not calls.autograd_thread():
                 return None
             mine = live
         if len(mine) > 1:
@@ -380,10 +382,11 @@ class Recompute:
         torch's global table until then (`_first_recompute`), so a backward that recomputes
         nothing puts none on and takes none off. It leaves the table when the hooks go on
         (`attach`), when no backward runs through the calls any more (`_disarm`), or with the
-        hooks once no call's graph lives. A module compiled in place (its call
-        and the global pre-hook compiled with it, where no hook table can be written) puts the
-        hooks on at once, as they would be traced in its recomputation."""
-        if compiled_in_place(self._module_dicts):
+        hooks once no call's graph lives. In a process where ``torch.compile`` has run, the
+        hooks go on at once instead, as before any backward: compiled code there (this model's
+        blocks, compiled in place or wrapped, or any other module, in any thread) would trace the
+        global hook, warn and recompile while it is in the table."""
+        if compiled_anything():
             self.attach(RECOMPUTE)
             return
         with self._users_lock:

@@ -143,11 +143,4 @@ def check_live(state: TrainState, what: str) -> None:
     """
     if is_donated(state):
         raise RuntimeError(_message(state.__dict__["params"].by, what))
-    for name in ("params", "compute", "grads"):
-        by = getattr(state.__dict__.get(name), "zfunc_spent_by", None)
-        if by is not None:
-            raise RuntimeError(
-                f"{what}: this state shares its buffers with a state donated to {by} (donate=True), which "
-                f"reused them ({name} is empty now): a state and one made from it without donating (s, _ = "
-                "zfunc.backward_step(own, ...)) share their weights and moments, so donating either spends both. "
-                "Use the state the donating call returned, or call it without donate=True")
+    state.check_unspent(what)

@@ -300,14 +300,29 @@ class TrainState:
                 _check_fits(name, getattr(self, name), value)
         return dataclasses.replace(self, **changes)
 
+    def check_unspent(self, what: str) -> None:
+        """Refuse ``what`` on a state whose buffers another state's donation emptied (a state and
+        one made from it without donating share them; `zfunc.core.donation.donate_` notes the
+        donation on each tensor it empties).
+
+        Raises:
+            RuntimeError: naming the donation and what to do instead.
+        """
+        for name in ("params", "compute", "grads"):
+            by = getattr(self.__dict__.get(name), "zfunc_spent_by", None)
+            if by is not None:
+                raise RuntimeError(
+                    f"{what}: this state shares its buffers with a state donated to {by} (donate=True), which "
+                    f"reused them ({name} is empty now): a state and one made from it without donating (s, _ = "
+                    "zfunc.backward_step(own, ...)) share their weights and moments, so donating either spends both. "
+                    "Use the state the donating call returned, or call it without donate=True")
+
     def __reduce__(self) -> tuple:
         """Pickled field by field; ``params`` that views ``compute`` (the master weights in the
         compute dtype, stages 1-2) as where in it, so the unpickled state keeps them once (torch
-        pickles each tensor's storage apart). A donated state, or one whose buffers a donation
-        emptied, is refused (`zfunc.core.donation.check_live`), as in ``copy.deepcopy``."""
-        from zfunc.core.donation import check_live
-
-        check_live(self, "pickle / copy.deepcopy")
+        pickles each tensor's storage apart). A state whose buffers a donation emptied is refused
+        (`check_unspent`), as in ``copy.deepcopy``."""
+        self.check_unspent("pickle / copy.deepcopy")
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         p, c = self.params, self.compute
         view = None
