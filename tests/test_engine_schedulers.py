@@ -128,3 +128,25 @@ def test_one_cycle_momentum_decaying_past_one_names_decay_mom_rate():
             engine.backward(engine(x).square().mean())
             engine.step()
     assert engine.global_steps == 6
+
+
+def test_a_torch_scheduler_the_client_steps_itself_sees_the_optimizer_stepped():
+    """Lightning takes the scheduler back from the engine (``engine.lr_scheduler = None``) and
+    steps it after each optimizer step itself; the client optimizer it was built on never steps
+    (zfunc's does), so each applied step marks it stepped, as torch's step wrapper would: no
+    "lr_scheduler.step() before optimizer.step()" warning (the suite turns warnings into errors),
+    and the learning rates follow the scheduler."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    client = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(client, lambda s: 1.0 / (1 + s))
+    engine, optimizer, _, _ = zfunc.initialize(model=model, optimizer=client, lr_scheduler=sched,
+                                               config={"train_batch_size": 1})
+    engine.lr_scheduler = None
+    lrs = []
+    for _ in range(3):
+        engine.backward(engine(torch.randn(1, 3)).square().sum())
+        engine.step()
+        sched.step()
+        lrs.append(round(optimizer.param_groups[0]["lr"], 6))
+    assert lrs == [0.05, 0.033333, 0.025], lrs

@@ -123,6 +123,11 @@ class Engine(ConfigAccessors, WeightsOut, Checkpoints, torch.nn.Module):
             self.lr_scheduler = lr_scheduler(self.optimizer)  # DeepSpeed's callable form
         else:
             self.lr_scheduler = lr_scheduler
+        # The client optimizer a torch scheduler was built on: it never steps (zfunc's optimizer
+        # does), so each applied step marks it stepped, as torch's step wrapper would (a scheduler
+        # the client steps itself, as Lightning does, then warns of no misordered step).
+        client = getattr(lr_scheduler, "optimizer", None)
+        self._client = weakref.ref(client) if isinstance(client, torch.optim.Optimizer) else None
 
     # -- the state ---------------------------------------------------------------------------
     @property
@@ -422,6 +427,9 @@ class Engine(ConfigAccessors, WeightsOut, Checkpoints, torch.nn.Module):
         self._applied = boundary
         if boundary:
             self._last_norm = st.metrics.grad_norm.clone()  # (no sync: read when asked)
+            client = None if self._client is None else self._client()
+            if client is not None:
+                client._opt_called = True
         self.micro_steps += 1
         if boundary and self.cfg.lr_schedule is not None:
             self.optimizer.write_back()  # show the schedule's next learning rates, as DeepSpeed does
