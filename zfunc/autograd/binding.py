@@ -286,22 +286,28 @@ class ModuleBinding(Routing, Recompute):
         if self._users or self._watch:  # read without the lock: whoever empties them calls this again
             return
         with self._users_lock:
-            if self._users or self._watch:
-                return
-            _remove(self._armed)
-            if self._attached:
-                _take_off(self._phases, self._ids, self._attached)
+            if not self._watch:
+                self.take_off_now()
 
     def take_off_now(self) -> None:
-        """Take the call hooks off the module now, though a call's graph lives (an engine's
-        `destroy()`: a ``loss`` still referenced keeps its graph); a later call puts them on again.
-        Nothing is taken off while a call runs."""
+        """Take the call hooks (and the armed global pre-hook) off now, though a call's graph may
+        live (an engine's `destroy()`: a ``loss`` still referenced keeps its graph); a later call
+        puts them on again. Nothing is taken off while a call runs."""
         with self._users_lock:
             if self._users:
                 return
             _remove(self._armed)
             if self._attached:
                 _take_off(self._phases, self._ids, self._attached)
+
+    def _disarm(self) -> None:
+        """No backward runs through the calls any more (`calls.InFlight.idle`): the global
+        pre-hook of `Recompute._arm` leaves torch's table (a graph kept alive after its backward, a
+        loop's last ``loss``, leaves none behind; the next backward that reaches a call's outputs
+        arms it again)."""
+        with self._users_lock:
+            if self.flight.backwards == 0:
+                _remove(self._armed)
 
     def _call_gone(self, ref: weakref.ref) -> None:
         with self._users_lock:

@@ -308,7 +308,7 @@ class BoundModel(torch.nn.Module):
         else:
             views, self.call = self._views()
             if binding.gather_plan is None:
-                self._shared = (dict(views), self.call)  # (``views`` is the call's to change)
+                self._shared = (views, self.call)
                 self.param_views = {**views, **state.frozen}
             pending = self.pending
             if binding.gather_plan is not None:  # stages 1-2 with units: bound as their modules run

@@ -395,16 +395,6 @@ class Recompute:
             self._armed.append(torch.nn.modules.module.register_module_forward_pre_hook(
                 _first_recompute(weakref.ref(self))))
 
-    def _disarm(self) -> None:
-        """No backward runs through the calls any more: the global pre-hook of `_arm` leaves
-        torch's table (a graph kept alive after its backward, a loop's last ``loss``, leaves no
-        global hook behind; the next backward that reaches a call's outputs arms it again)."""
-        with self._users_lock:
-            if self.flight.backwards == 0:
-                for handle in self._armed:
-                    handle.remove()
-                self._armed.clear()
-
     def _forget_source(self) -> None:
         """(Under the lock.) `_source`'s kept answer may be stale: found afresh next time."""
         self._generation += 1

@@ -123,10 +123,11 @@ class Engine(ConfigAccessors, WeightsOut, Checkpoints, torch.nn.Module):
             self.lr_scheduler = lr_scheduler(self.optimizer)  # DeepSpeed's callable form
         else:
             self.lr_scheduler = lr_scheduler
-        # The client optimizer a torch scheduler was built on: it never steps (zfunc's optimizer
-        # does), so each applied step marks it stepped, as torch's step wrapper would (a scheduler
-        # the client steps itself, as Lightning does, then warns of no misordered step).
-        client = getattr(lr_scheduler, "optimizer", None)
+        # The optimizer a torch scheduler was built on (the client's, or this engine's view): it
+        # never steps (zfunc's optimizer does), so each step at the boundary marks it stepped, as
+        # torch's step wrapper would, before the engine (or the client itself, as Lightning does)
+        # steps the scheduler: no misordered-step warning.
+        client = getattr(self.lr_scheduler, "optimizer", None)
         self._client = weakref.ref(client) if isinstance(client, torch.optim.Optimizer) else None
 
     # -- the state ---------------------------------------------------------------------------
@@ -422,10 +423,9 @@ class Engine(ConfigAccessors, WeightsOut, Checkpoints, torch.nn.Module):
             elif self._batch:  # the micro-batches actually run since the last step
                 self.global_samples += self._batch.train_batch_size // self.cfg.grad_accum * backwards
         self._state = st  # the same parameter buffers: the module's views stay valid
-        if boundary:
-            self._share_module_params()  # the buffers may be new tensors (rank 0's)
         self._applied = boundary
         if boundary:
+            self._share_module_params()  # the buffers may be new tensors (rank 0's)
             self._last_norm = st.metrics.grad_norm.clone()  # (no sync: read when asked)
             client = None if self._client is None else self._client()
             if client is not None:
@@ -435,7 +435,6 @@ class Engine(ConfigAccessors, WeightsOut, Checkpoints, torch.nn.Module):
             self.optimizer.write_back()  # show the schedule's next learning rates, as DeepSpeed does
         elif boundary and self.lr_scheduler is not None and self.was_step_applied():
             # As DeepSpeed: a torch scheduler advances after each applied step (not a skipped one).
-            getattr(self.lr_scheduler, "optimizer", self.optimizer)._opt_called = True
             self.lr_scheduler.step(**(lr_kwargs or {}))
 
     def _with_group_edits(self, st: TrainState) -> TrainState:
