@@ -1251,3 +1251,61 @@ def test_once_torch_compile_ran_no_global_hook_is_armed(reentrant):
     (got, table, base, said), = run_ranks(_compiled_wrappers, 1, reentrant, True)
     assert table == [base] and said == [], (table, base, said)  # nothing armed during the backward
     assert torch.allclose(got, eager, atol=1e-6)
+
+
+class _Pair(torch.nn.Module):
+    """Two linear layers, checkpointed as one segment (its forward calls both)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(6, 6), torch.nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+class _Pairs(torch.nn.Module):
+    """An input layer, then two `_Pair` segments under activation checkpointing."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.reentrant = reentrant
+        self.inp = torch.nn.Linear(6, 6)
+        self.pairs = torch.nn.ModuleList(_Pair() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for pair in self.pairs:
+            x = torch.utils.checkpoint.checkpoint(pair, x, use_reentrant=self.reentrant)
+        return x.pow(2).sum()
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_only_the_module_that_puts_tensors_in_carries_a_recompute_post_hook(reentrant, monkeypatch):
+    """In a recomputation the outermost recomputed module (a pair) puts the call's parameters of
+    its subtree in, and a post-hook goes on it to undo them; the layers asleep below it carry
+    zfunc's pre-hook only, no post-hook (one hook call per layer, not two). None is left once
+    the backward is done, and one SGD step gives torch's gradients."""
+    monkeypatch.setattr("zfunc.autograd.recompute.compiled_anything", lambda: False)  # (another test may compile)
+    torch.manual_seed(0)
+    model = _Pairs(reentrant)
+    x = torch.randn(5, 6)
+    names = [n for n, _ in model.named_parameters()]
+    before = [p.detach().clone() for p in model.parameters()]
+    model(x).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    seen: list[tuple[int, int, int]] = []  # at each layer a's recomputation: post-hooks on its pair, a, b
+    for pair in model.pairs:
+        pair.a.register_forward_pre_hook(
+            lambda mod, args, pair=pair: seen.append(
+                (len(pair._forward_hooks), len(pair.a._forward_hooks), len(pair.b._forward_hooks)))
+            if torch.is_grad_enabled() else None)
+    state = zfunc.init(model, zfunc.Config(stage=0, grad_accum=1, optimizer=zfunc.sgd(lr=0.5)))
+    state, _ = zfunc.backward_step(state, lambda m, x: m(x), x)
+    assert seen[-2:] == [(1, 0, 0)] * 2, seen  # the two recomputations: the pair's post-hook only
+    assert all(len(m._forward_hooks) == 0 and len(m._forward_pre_hooks) == (m in [p.a for p in model.pairs])
+               for m in model.modules())  # the user's hooks only
+    got = zfunc.full_params(zfunc.apply_step(state))
+    for name, p0, g in zip(names, before, expected):
+        torch.testing.assert_close(got[name], p0 - 0.5 * g, rtol=1e-6, atol=1e-6)

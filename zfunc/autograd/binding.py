@@ -3,9 +3,10 @@
 A `ModuleBinding` is made once per (module, layout) by `zfunc.init` and is static metadata of
 the state. It owns everything zfunc adds to the user's module: at stage 3 a forward pre-hook and
 post-hook on each unit module (they gather the unit for the call that runs it; at stages 1-2 with
-`Config.units` they wait for the unit's all-gather, `zfunc.autograd.forward_gather`), a pre-hook and post-hook
-on each module with a forward whose subtree holds parameters (inert except while a zfunc model's
-backward recomputes a forward, activation checkpointing: `zfunc.autograd.recompute`), and, when the module was donated
+`Config.units` they wait for the unit's all-gather, `zfunc.autograd.forward_gather`), a pre-hook
+on each module with a forward whose subtree holds parameters, and a post-hook on one whose
+pre-hook put tensors in (only while a zfunc model's backward recomputes a forward, activation
+checkpointing: `zfunc.autograd.recompute`), and, when the module was donated
 (``init(..., donate=True)``), a guard that refuses direct calls (which stays). The hooks hold the
 binding weakly: they leave the module when no state holds the binding, or at
 `ModuleBinding.remove`. Per-call context (which state, which sinks) travels in the binding's
@@ -38,7 +39,7 @@ from zfunc.autograd.recompute import CALL as _CALL
 from zfunc.autograd.recompute import RECOMPUTE as _RECOMPUTE
 from zfunc.autograd.recompute import Recompute
 from zfunc.autograd.routing import Routing
-from zfunc.autograd.swap import set_data
+from zfunc.autograd.swap import put_post, put_pre, set_data, take_post, take_pre
 from zfunc.autograd.gather import UnitGatherer
 from zfunc._probes import in_backward as _in_backward
 from zfunc.distributed.layout import Layout
@@ -74,20 +75,25 @@ def _refuse_donated(module: torch.nn.Module) -> None:
         "weights with zfunc.full_params")
 
 
-def _take_off(phases: dict[int, tuple[list, list]], ids: dict[tuple[int, bool], int], attached: set[int]) -> None:
+def _take_off(phases: dict[int, tuple[list, list]], ids: dict[tuple[int, bool], int], attached: set[int],
+              posted: dict[int, torch.nn.Module]) -> None:
     """Take the call hooks of the phases in ``attached`` off their modules (`ModuleBinding.attach`
-    put them there), and empty ``attached``. (A hook table the user replaced meanwhile lacks
-    them.)"""
+    put them there), and the recompute post-hooks (``posted``, `Recompute._post_on`), and empty
+    them. (A hook table the user replaced meanwhile
+    lacks them.)"""
     for phase in attached:
         pres, posts = phases.get(phase) or ((), ())
         key = ids[(phase, True)]
         for mod, _ in pres:
-            mod._forward_pre_hooks.pop(key, None)
+            take_pre(mod, key)
         key = ids[(phase, False)]
         for mod, _ in posts:
-            mod._forward_hooks.pop(key, None)
-            mod._forward_hooks_always_called.pop(key, None)
+            take_post(mod, key)
     attached.clear()
+    key = ids[(_RECOMPUTE, False)]
+    for mod in posted.values():
+        take_post(mod, key)
+    posted.clear()
 
 
 def _let_go(handles: list[RemovableHandle], armed: list[RemovableHandle], *call_hooks: Any) -> None:
@@ -154,7 +160,11 @@ class ModuleBinding(Routing, Recompute):
         # Until the first module of a backward runs (a recomputation): the one global pre-hook that
         # puts the recompute hooks on then (`arm`); a backward that recomputes nothing never has them.
         self._armed: list[RemovableHandle] = []
-        weakref.finalize(self, _let_go, self._handles, self._armed, self._phases, self._ids, self._attached)
+        # id(module) -> module: those a recompute pre-hook put the post-hook on, at the first run
+        # it covered (`Recompute._post_on`); they leave with the call hooks
+        self._posted: dict[int, torch.nn.Module] = {}
+        weakref.finalize(self, _let_go, self._handles, self._armed, self._phases, self._ids, self._attached,
+                         self._posted)
         self.unit_order: list[int] = []  # stage 3: the units the last forward ran, in order
         self._members: list[Any] = []  # set by `route`
         self._probe: Any = None  # set by `route`
@@ -223,6 +233,7 @@ class ModuleBinding(Routing, Recompute):
             self._phases.setdefault(phase, ([], []))[0 if is_pre else 1].append((mod, hook))
         # id(module) -> (module, its recompute pre-hook), for `Recompute._arm`'s global pre-hook
         self._recompute_pres = {id(mod): (mod, hook) for mod, hook in self._phases.get(_RECOMPUTE, ((), ()))[0]}
+        self._recompute_post_key = self._ids[(_RECOMPUTE, False)]
 
     def occupy(self) -> None:
         """This thread starts running the module for a zfunc call (nested calls in one thread
@@ -272,13 +283,10 @@ class ModuleBinding(Routing, Recompute):
             self._attached.add(phase)
             key = self._ids[(phase, True)]
             for mod, hook in pres:  # before the user's own (a weight-norm hook reads the unit's parameters)
-                mod._forward_pre_hooks[key] = hook
-                if len(mod._forward_pre_hooks) > 1:
-                    mod._forward_pre_hooks.move_to_end(key, last=False)
+                put_pre(mod, key, hook)
             key = self._ids[(phase, False)]
-            for mod, hook in posts:  # after them, and run when the forward raised too (as always_call=True)
-                mod._forward_hooks[key] = hook
-                mod._forward_hooks_always_called[key] = True
+            for mod, hook in posts:  # after them, and run when the forward raised too
+                put_post(mod, key, hook)
 
     def _detach_if_idle(self) -> None:
         """Take the hooks off the module when no call runs and no call's graph lives (no
@@ -298,7 +306,7 @@ class ModuleBinding(Routing, Recompute):
                 return
             _remove(self._armed)
             if self._attached:
-                _take_off(self._phases, self._ids, self._attached)
+                _take_off(self._phases, self._ids, self._attached, self._posted)
 
     def _disarm(self) -> None:
         """No backward runs through the calls any more (`calls.InFlight.idle`): the global
@@ -534,7 +542,7 @@ class ModuleBinding(Routing, Recompute):
         the hooks, a call refuses from then on."""
         with self._users_lock:
             self._removed = True
-            _take_off(self._phases, self._ids, self._attached)
+            _take_off(self._phases, self._ids, self._attached, self._posted)
         _remove(self._handles, self._armed)
         self.unit_params = {}
         self._members = []

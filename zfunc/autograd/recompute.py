@@ -1,8 +1,9 @@
 """The recompute binding: a forward that activation checkpointing recomputes during backward,
 outside zfunc's call, runs on the parameters of the call whose backward it is. A mixin of
-`zfunc.autograd.binding.ModuleBinding`: forward pre/post hooks on each module whose subtree holds
+`zfunc.autograd.binding.ModuleBinding`: a forward pre-hook on each module whose subtree holds
 parameters outside the units or buffers, and on those inside a unit's module
-(`Recompute._install_recompute_hooks`), put on at the first recomputation in a backward
+(`Recompute._install_recompute_hooks`; a post-hook on a module whose pre-hook put tensors in,
+`Recompute._post_on`), put on at the first recomputation in a backward
 through a call's outputs (`Recompute._arm`) and acting only while one runs; the call is found
 from the graph (`Recompute._source`).
 """
@@ -20,7 +21,7 @@ import torch
 from zfunc._probes import compiled_anything, graph_task
 from zfunc.autograd import calls
 from zfunc.autograd.direct_reads import DirectReads
-from zfunc.autograd.swap import put_back, swap_in
+from zfunc.autograd.swap import put_back, put_post, swap_in
 
 __all__ = ["Recompute", "CALL", "RECOMPUTE"]
 
@@ -53,6 +54,9 @@ class Recompute:
     _attached: set[int]
     _removed: bool
     _recompute_pres: dict[int, tuple[torch.nn.Module, Any]]
+    _recompute_post: Any
+    _recompute_post_key: int
+    _posted: dict[int, torch.nn.Module]
 
     def _install_recompute_hooks(self) -> None:
         """Hooks on each module that can read parameters outside the units in its forward: every
@@ -109,20 +113,15 @@ class Recompute:
                     return
                 if torch.compiler.is_compiling():  # traced, and no module outside the compiled code covers it
                     _refuse_compiled(b, mod)
-                else:
-                    b._cover_in(mod, unit, names, places, below, slots, buffer_names)
+                elif b._cover_in(mod, unit, names, places, below, slots, buffer_names):
+                    b._post_on(mod)
             return hook
 
-        def post(within: tuple) -> Any:
-            nested = bool(within)
-
-            def hook(mod: torch.nn.Module, args: Any, out: Any) -> None:
-                if flight.backwards == 0 or nested and flight.any_covered and asleep(within):
-                    return
-                b = me()
-                if b is not None:
-                    b._cover_out(mod)
-            return hook
+        def post(mod: torch.nn.Module, args: Any, out: Any) -> None:
+            # (on the module only for a run whose pre-hook covered: `_post_on`)
+            b = me()
+            if b is not None:
+                b._cover_out(mod)
 
         tops = {id(top) for _, top, _ in self._unit_modules}
 
@@ -148,37 +147,37 @@ class Recompute:
         above = _above(self.module)
         # id(module) -> (the module, its pre-hooks in the order they run, its post-hooks likewise:
         # its unit's covers first and is undone last)
-        hooks: dict[int, tuple[torch.nn.Module, list, list]] = {}
+        hooks: dict[int, tuple[torch.nn.Module, list]] = {}
         keys: set[int] = set()  # the covering modules some hook's ``within`` holds (by id)
         hooked: set[int] = set()  # the modules with hooks of the kind being placed
 
-        def place(mod: torch.nn.Module, unit: int | None) -> tuple[tuple, list, list]:
+        def place(mod: torch.nn.Module, unit: int | None) -> tuple[tuple, list]:
             """Where ``mod``'s hooks of the kind being placed go: what they are asleep under (its
-            unit's module, the modules above it with hooks of that kind), its pre- and post-hooks."""
+            unit's module, the modules above it with hooks of that kind), its pre-hooks."""
             ancestors = tuple(a for a in above[id(mod)] if a in hooked)
             keys.update(ancestors)
             hooked.add(id(mod))
-            _, pres, posts = hooks.setdefault(id(mod), (mod, [], []))
-            return (() if unit is None else (unit,)) + ancestors, pres, posts
+            _, pres = hooks.setdefault(id(mod), (mod, []))
+            return (() if unit is None else (unit,)) + ancestors, pres
 
         for mod, below in readers(self.module):
             mine = [slot for slot in slots if id(slot[1]) in below]
             bufs = [slot for slot in buffers if id(slot[1]) in below]
             if mine or bufs:
-                within, pres, posts = place(mod, inside.get(id(mod)))
+                within, pres = place(mod, inside.get(id(mod)))
                 pres.append(pre(OUTSIDE, mine, below, within, bufs))
-                posts.append(post(within))
         for unit, top, unit_slots in self._unit_modules:
             hooked.clear()
             for mod, below in readers(top):
                 if mod is not top and any(id(slot[1]) in below for slot in unit_slots):
-                    within, pres, posts = place(mod, unit)
+                    within, pres = place(mod, unit)
                     pres.insert(0, pre(unit, unit_slots, below, within))
-                    posts.append(post(within))
         self._above_some = keys  # (`_cover_in` counts only these: no hook reads another's count)
-        for mod, pres, posts in hooks.values():  # one pre-hook and one post-hook a module
-            self._specs += [(mod, True, pres[0] if len(pres) == 1 else _both(pres), RECOMPUTE),
-                            (mod, False, posts[0] if len(posts) == 1 else _both(posts), RECOMPUTE)]
+        # One pre-hook a module; the post-hook goes on a module only for a run that covers
+        # (`_post_on`): the modules asleep below a covering one run with one hook, not two.
+        self._recompute_post = post
+        for mod, pres in hooks.values():
+            self._specs.append((mod, True, pres[0] if len(pres) == 1 else _both(pres), RECOMPUTE))
 
     def _cover_in(self, mod: torch.nn.Module, unit: int, names: list[str], places: list[tuple[dict, str]],
                   below: frozenset, slots: list, buffer_names: Sequence[str]) -> bool:
@@ -230,6 +229,15 @@ class Recompute:
         if key in self._above_some:
             self._run(key, 1)  # the hooks below it are asleep
         return True
+
+    def _post_on(self, mod: torch.nn.Module) -> None:
+        """A recompute pre-hook covered (`_cover_in` pushed a cover of ``mod``): the post-hook
+        goes on ``mod``, in time for this run (torch reads a module's post-hooks after its
+        forward), and stays with the other call hooks (`attach`) until they leave: a post-hook
+        cannot leave the table torch is running it from."""
+        if id(mod) not in self._posted:
+            put_post(mod, self._recompute_post_key, self._recompute_post)
+            self._posted[id(mod)] = mod
 
     def _cover_out(self, mod: torch.nn.Module) -> None:
         me = threading.get_ident()
