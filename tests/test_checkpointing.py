@@ -1309,3 +1309,42 @@ def test_only_the_module_that_puts_tensors_in_carries_a_recompute_post_hook(reen
     got = zfunc.full_params(zfunc.apply_step(state))
     for name, p0, g in zip(names, before, expected):
         torch.testing.assert_close(got[name], p0 - 0.5 * g, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("donate", [True, False])
+def test_recompute_leaves_are_kept_for_the_next_backward_on_the_same_memory(donate, monkeypatch):
+    """The leaves a reentrant recomputation makes over the state's compute buffer are kept for
+    the next backward on the same memory (the micro-batches of a step; with donation, the next
+    step too: the donated buffer's successor takes them over), and let go with the buffer (no
+    memory outlives the states). Three steps of two micro-batches give torch's SGD weights."""
+    monkeypatch.setattr("zfunc.autograd.recompute.compiled_anything", lambda: False)  # (another test may compile)
+    torch.manual_seed(0)
+    model = _Pairs(reentrant=True)
+    ref = _Pairs(reentrant=True)
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    batches = [torch.randn(5, 6) for _ in range(6)]
+    seen: list[int] = []  # the weight tensor layer a of the first pair recomputes on, by identity
+    model.pairs[0].a.register_forward_pre_hook(
+        lambda mod, args: seen.append(id(mod.weight)) if torch.is_grad_enabled() else None)
+    state = zfunc.init(model, zfunc.Config(stage=0, grad_accum=2, optimizer=zfunc.sgd(lr=0.1)))
+    spares = state.binding.spares
+    for step in range(3):
+        for x in batches[2 * step:2 * step + 2]:
+            state, _ = zfunc.backward_step(state, lambda m, x: m(x), x, donate=donate)
+            (ref(x) / 2).backward()
+        state = zfunc.apply_step(state, donate=donate)
+        opt.step()
+        opt.zero_grad()
+    assert len(seen) == 6
+    # The second micro-batch of each step reuses the first one's leaf; with donation every step does.
+    assert seen[1] == seen[0] and seen[3] == seen[2] and seen[5] == seen[4], seen
+    assert (len(set(seen)) == 1) == donate, seen
+    got = zfunc.full_params(state)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-6, atol=1e-6)
+    assert len(spares._by) == (1 if donate else 0)  # (without donation each step makes a new buffer)
+    state, _ = zfunc.backward_step(state, lambda m, x: m(x), batches[0])
+    assert len(spares._by) == 1
+    del state
+    assert len(spares._by) == 0  # the buffer went, and its leaves with it (by reference counting)

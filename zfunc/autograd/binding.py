@@ -38,6 +38,7 @@ from zfunc.distributed.pool import Pool
 from zfunc.autograd.recompute import CALL as _CALL
 from zfunc.autograd.recompute import RECOMPUTE as _RECOMPUTE
 from zfunc.autograd.recompute import Recompute
+from zfunc.autograd.rebind import Spares
 from zfunc.autograd.routing import Routing
 from zfunc.autograd.swap import put_post, put_pre, set_data, take_post, take_pre
 from zfunc.autograd.gather import UnitGatherer
@@ -202,6 +203,7 @@ class ModuleBinding(Routing, Recompute):
         self.unit_params: dict[str, torch.Tensor] = {}
         self._buckets: tuple[Bucket, ...] | None = None
         self.tap_plans: dict[str, Any] = {}  # `zfunc.autograd.buckets.tap_plan`, by path
+        self.spares = Spares()  # the recompute leaves kept between backwards (`zfunc.autograd.rebind`)
         # Large buffers kept between steps on the CPU (`zfunc.distributed.pool`): the gradient
         # accumulator, the bucket reduces' staging buffers and results.
         self.pool = Pool()

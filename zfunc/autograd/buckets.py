@@ -574,7 +574,8 @@ def bucket_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, .
     hub = Collect.apply(reducer, sink)
     compute = state.compute  # at stages 1-2 with units, each piece read after forward gathered it (zfunc.autograd.forward_gather)
     rebind = _keep(hub, Rebind(compute, plan, reducer.many, _largest(buckets),
-                               functools.partial(Collect.apply, reducer, sink), state.binding.flight))
+                               functools.partial(Collect.apply, reducer, sink), state.binding.flight,
+                               state.binding.spares))
     reducer.recomputed = weakref.WeakMethod(rebind.collect)
     return _bucket_taps(hub, compute, reducer.many, plan), rebind
 

@@ -128,5 +128,6 @@ def local_views(state: TrainState, sink: torch.Tensor, buckets: tuple[Bucket, ..
     hub = Collect.apply(inplace, sink)
     plan = tap_plan(state.binding, "local", buckets)
     rebind = _keep(hub, Rebind(state.compute, plan, add.many, _largest(buckets),
-                               functools.partial(Collect.apply, inplace, sink), state.binding.flight))
+                               functools.partial(Collect.apply, inplace, sink), state.binding.flight,
+                               state.binding.spares))
     return _bucket_taps(hub, state.compute, add.many, plan), rebind

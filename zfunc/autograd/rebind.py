@@ -19,7 +19,7 @@ from zfunc.autograd.calls import at_backward_end, note_backwards
 if TYPE_CHECKING:
     from zfunc.autograd.buckets import TapPlan
 
-__all__ = ["Rebind"]
+__all__ = ["Rebind", "Spares"]
 
 
 class Rebind:
@@ -51,14 +51,17 @@ class Rebind:
     """
 
     def __init__(self, compute: torch.Tensor, plan: TapPlan, take: Any, limit: int,
-                 collector: Callable[[], torch.Tensor] | None = None, flight: Any = None):
+                 collector: Callable[[], torch.Tensor] | None = None, flight: Any = None,
+                 spares: Spares | None = None):
         self.compute, self.plan, self.take, self.limit = compute, plan, take, limit
+        self.spares = spares  # leaves over ``compute`` that earlier backwards made, reused (`Spares`)
         self.collector, self.flight = collector, flight  # what `settle` needs: a new collector node
         self._owed = False  # gradients handed over since the call's collector last ran
         self.frozen: dict[str, torch.Tensor] = {}  # the call's frozen parameters, by name
         self.tasks: set[int] = set()  # the backwards that differentiate this call (`zfunc._probes.graph_task`)
         self.buffers: dict[str, torch.Tensor] = {}  # the call's buffers, by name (set by its bound model)
-        self._made: dict[int, dict[str, torch.Tensor]] = {}  # by backward (graph task): the leaves made in it
+        self._made: dict[int, dict[str, torch.Tensor]] = {}  # by backward (graph task): the leaves handed out in it
+        self._spare: dict[int, dict[str, torch.Tensor]] = {}  # by backward: earlier backwards' leaves not handed out yet
         self._since = 0  # elements handed out since the last collect
 
     def replaced(self) -> bool:
@@ -74,6 +77,7 @@ class Rebind:
             made = self._made[task] = {}
             if task != -1:  # collected and forgotten when that backward ends
                 at_backward_end(functools.partial(_backward_ended, weakref.ref(self), task))
+                self._spare[task] = self.spares.take(self.compute) if self.spares is not None else {}
         out = {}
         for n in names:
             if n in self.frozen:
@@ -81,10 +85,13 @@ class Rebind:
                 continue
             leaf = made.get(n)
             if leaf is None:
-                _, (offset, shape, stride) = self.plan.by_name[n]
-                c = self.compute
-                leaf = c.as_strided(shape, stride, c.storage_offset() + offset)
-                made[n] = leaf = (leaf.detach() if c.requires_grad else leaf).requires_grad_()
+                leaf = self._spare.get(task, _NONE).pop(n, None)
+                if leaf is None:
+                    _, (offset, shape, stride) = self.plan.by_name[n]
+                    c = self.compute
+                    # (detached: not a view holding ``compute`` alive, as a kept leaf must not be)
+                    leaf = c.as_strided(shape, stride, c.storage_offset() + offset).detach().requires_grad_()
+                made[n] = leaf
                 self._since += leaf.numel()
                 if self._since > self.limit:  # the earlier segments' backwards are done: theirs in
                     self.collect(made)
@@ -141,7 +148,84 @@ def _backward_ended(ref: weakref.ref, task: int) -> None:
     rebind = ref()
     if rebind is not None:
         made = rebind._made.pop(task, None)
+        spare = rebind._spare.pop(task, None)
         if made is not None:
             rebind.collect(made)
+            if rebind.spares is not None:  # (their gradients handed over and cleared)
+                rebind.spares.give(rebind.compute, {**spare, **made} if spare else made)
             if task in rebind.tasks:  # through the call's outputs, not a segment's nested backward
                 rebind.settle()
+
+
+_NONE: dict = {}  # (an empty dict never written)
+_KEPT_SETS = 2  # leaf sets a `Spares` keeps per buffer: as many backwards recomputing on it at once
+
+
+class Spares:
+    """The leaves `Rebind` made over a compute buffer, kept for the next backward that recomputes
+    on the same buffer (a binding keeps one): a model of many small parameters spends more
+    making a leaf per parameter per backward (a view, ``requires_grad_``) than recomputing them.
+    A backward takes a set (`take`) and gives it back at its end, every gradient collected
+    (`give`): two running at once never share one. A set is kept only while its buffer lives
+    and still holds the same memory (a weak reference to the buffer drops it with the buffer, so
+    no memory outlives its state); a donated buffer's successor, a new tensor over the same
+    memory, takes the sets over (`moved`).
+
+    Examples:
+        >>> import torch
+        >>> spares, compute = Spares(), torch.zeros(4)
+        >>> leaf = compute[:2].detach().requires_grad_()
+        >>> spares.give(compute, {"w": leaf})
+        >>> spares.take(compute)["w"] is leaf, spares.take(compute)
+        (True, {})
+        >>> spares.give(compute, {"w": leaf}); del compute
+        >>> len(spares._by)
+        0
+    """
+
+    __slots__ = ("_by", "__weakref__")
+
+    def __init__(self) -> None:
+        # id(buffer) -> (a weak reference to it, where its memory is, the leaf sets)
+        self._by: dict[int, tuple[weakref.ref, tuple, list[dict[str, torch.Tensor]]]] = {}
+
+    def take(self, compute: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A set of leaves over ``compute`` (by name) that no backward uses, or an empty one."""
+        entry = self._by.get(id(compute))
+        if entry is None or not entry[2] or entry[0]() is not compute or entry[1] != _where(compute):
+            return {}
+        return entry[2].pop()
+
+    def give(self, compute: torch.Tensor, leaves: dict[str, torch.Tensor]) -> None:
+        """Keep ``leaves`` (over ``compute``, none holding a gradient) for a later backward."""
+        if compute.numel() == 0:  # given away meanwhile (donated): its memory is another state's
+            return
+        entry = self._entry(compute)
+        if len(entry[2]) < _KEPT_SETS:
+            entry[2].append(leaves)
+
+    def moved(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """``new`` holds ``old``'s memory now (a donation made it; ``old`` is emptied): the sets
+        over it go with it."""
+        entry = self._by.pop(id(old), None)
+        if entry is not None and entry[0]() is old and entry[2] and entry[1] == _where(new):
+            self._entry(new)[2].extend(entry[2][:_KEPT_SETS])
+
+    def _entry(self, compute: torch.Tensor) -> tuple[weakref.ref, tuple, list[dict[str, torch.Tensor]]]:
+        key, where = id(compute), _where(compute)
+        entry = self._by.get(key)
+        if entry is None or entry[0]() is not compute or entry[1] != where:
+            entry = self._by[key] = (weakref.ref(compute, functools.partial(_forget, weakref.ref(self), key)), where, [])
+        return entry
+
+
+def _where(t: torch.Tensor) -> tuple:
+    """Where ``t``'s elements are: a set of leaves over it is valid while this is unchanged."""
+    return t.untyped_storage().data_ptr(), t.storage_offset(), t.numel(), t.dtype, t.device
+
+
+def _forget(ref: weakref.ref, key: int, _: Any) -> None:
+    """A buffer with kept leaves is gone: they go too."""
+    spares = ref()
+    if spares is not None:
+        spares._by.pop(key, None)

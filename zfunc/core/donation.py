@@ -110,6 +110,9 @@ def donate_(state: TrainState, by: str, new: TrainState | None = None,
         set_data([(t, torch.empty(0, dtype=t.dtype, device=t.device)) for t in emptied])
         for t in emptied:  # another state holding the same tensor (one made from this without donating) is spent too
             t.zfunc_spent_by = by
+        spares = getattr(getattr(state, "binding", None), "spares", None)
+        if spares is not None and isinstance(state.compute, torch.Tensor) and isinstance(new.compute, torch.Tensor):
+            spares.moved(state.compute, new.compute)  # the recompute leaves over its memory go with it
     for f in dataclasses.fields(state):
         if f.metadata.get("pytree_node", True):
             object.__setattr__(state, f.name, Donated(by, f.name))
