@@ -192,9 +192,12 @@ class Spares:
     def take(self, compute: torch.Tensor) -> dict[str, torch.Tensor]:
         """A set of leaves over ``compute`` (by name) that no backward uses, or an empty one."""
         entry = self._by.get(id(compute))
-        if entry is None or not entry[2] or entry[0]() is not compute or entry[1] != _where(compute):
+        if entry is None or entry[0]() is not compute or entry[1] != _where(compute):
             return {}
-        return entry[2].pop()
+        try:
+            return entry[2].pop()
+        except IndexError:  # none left (another thread's backward took the last)
+            return {}
 
     def give(self, compute: torch.Tensor, leaves: dict[str, torch.Tensor]) -> None:
         """Keep ``leaves`` (over ``compute``, none holding a gradient) for a later backward."""
