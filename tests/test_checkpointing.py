@@ -1348,3 +1348,67 @@ def test_recompute_leaves_are_kept_for_the_next_backward_on_the_same_memory(dona
     assert len(spares._by) == 1
     del state
     assert len(spares._by) == 0  # the buffer went, and its leaves with it (by reference counting)
+
+
+class _Scaled(torch.nn.Module):
+    """A layer and a buffer: inside a unit, its pre-hooks are two (the unit's parameters, and
+    the buffer, which no unit holds)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+        self.register_buffer("scale", torch.full((d,), 2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+class _CheckpointsChild(torch.nn.Module):
+    """A unit's module whose child is checkpointed on its own: the unit's module does not run
+    around the child's recomputation."""
+
+    def __init__(self, reentrant: bool, d: int):
+        super().__init__()
+        self.c, self.out, self.reentrant = _Scaled(d), torch.nn.Linear(d, d), reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(torch.utils.checkpoint.checkpoint(self.c, x, use_reentrant=self.reentrant)))
+
+
+class _UnitWithCheckpointedChild(torch.nn.Module):
+    def __init__(self, reentrant: bool, d: int = 6):
+        super().__init__()
+        self.inp, self.b, self.head = torch.nn.Linear(d, d), _CheckpointsChild(reentrant, d), torch.nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.b(self.inp(x))).sum()
+
+
+@pytest.mark.parametrize("stage,persist", [(1, None), (2, None), (3, 0), (3, 100)])
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_checkpointed_module_of_two_recompute_pre_hooks_undoes_both(stage, persist, reentrant, monkeypatch):
+    """A module inside a unit whose subtree holds the unit's parameters and what no unit holds
+    (a buffer; at stage 3 with a persist threshold, its bias) has two recompute pre-hooks, each
+    putting its part in: checkpointed on its own, both are undone after it (nothing stays in its
+    entries, no hook stays on the module), and three steps give torch's SGD weights."""
+    monkeypatch.setattr("zfunc.autograd.recompute.compiled_anything", lambda: False)  # (another test may compile)
+    torch.manual_seed(0)
+    model, ref = _UnitWithCheckpointedChild(reentrant), _UnitWithCheckpointedChild(reentrant)
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    extra = {} if persist is None else {"persist_threshold": persist}
+    state = zfunc.init(model, zfunc.Config(stage=stage, grad_accum=1, units=["b"], optimizer=zfunc.sgd(lr=0.1),
+                                           **extra))
+    for _ in range(3):
+        x = torch.randn(4, 6)
+        state, _ = zfunc.backward_step(state, lambda m, x: m(x), x)
+        assert not state.binding._covering and not state.binding._users
+        assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+        assert isinstance(model.b.c.lin.weight, torch.nn.Parameter)
+        state = zfunc.apply_step(state)
+        ref(x).backward()
+        opt.step()
+        opt.zero_grad()
+    got = zfunc.full_params(state)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-6, atol=1e-6)

@@ -164,6 +164,7 @@ class ModuleBinding(Routing, Recompute):
         # id(module) -> module: those a recompute pre-hook put the post-hook on, at the first run
         # it covered (`Recompute._post_on`); they leave with the call hooks
         self._posted: dict[int, torch.nn.Module] = {}
+        self._static_posts: set[int] = set()  # the modules of two recompute pre-hooks: their post-hooks go on with them
         weakref.finalize(self, _let_go, self._handles, self._armed, self._phases, self._ids, self._attached,
                          self._posted)
         self.unit_order: list[int] = []  # stage 3: the units the last forward ran, in order

@@ -57,6 +57,7 @@ class Recompute:
     _recompute_post: Any
     _recompute_post_key: int
     _posted: dict[int, torch.nn.Module]
+    _static_posts: set[int]
 
     def _install_recompute_hooks(self) -> None:
         """Hooks on each module that can read parameters outside the units in its forward: every
@@ -118,10 +119,24 @@ class Recompute:
             return hook
 
         def post(mod: torch.nn.Module, args: Any, out: Any) -> None:
-            # (on the module only for a run whose pre-hook covered: `_post_on`)
+            # (on a module of one pre-hook from the first run its pre-hook covered: `_post_on`)
             b = me()
             if b is not None:
                 b._cover_out(mod)
+
+        def post_for(within: tuple) -> Any:
+            # A module of two pre-hooks (its unit's, and the one for what lies outside the
+            # units) has the two post-hooks that match them on from the start, each undoing its
+            # own pre-hook's cover (asleep exactly when that one was).
+            nested = bool(within)
+
+            def hook(mod: torch.nn.Module, args: Any, out: Any) -> None:
+                if flight.backwards == 0 or nested and flight.any_covered and asleep(within):
+                    return
+                b = me()
+                if b is not None:
+                    b._cover_out(mod)
+            return hook
 
         tops = {id(top) for _, top, _ in self._unit_modules}
 
@@ -147,37 +162,46 @@ class Recompute:
         above = _above(self.module)
         # id(module) -> (the module, its pre-hooks in the order they run, its post-hooks likewise:
         # its unit's covers first and is undone last)
-        hooks: dict[int, tuple[torch.nn.Module, list]] = {}
+        hooks: dict[int, tuple[torch.nn.Module, list, list]] = {}  # id -> (module, pre-hooks, their ``within``)
         keys: set[int] = set()  # the covering modules some hook's ``within`` holds (by id)
         hooked: set[int] = set()  # the modules with hooks of the kind being placed
 
-        def place(mod: torch.nn.Module, unit: int | None) -> tuple[tuple, list]:
+        def place(mod: torch.nn.Module, unit: int | None) -> tuple[tuple, list, list]:
             """Where ``mod``'s hooks of the kind being placed go: what they are asleep under (its
-            unit's module, the modules above it with hooks of that kind), its pre-hooks."""
+            unit's module, the modules above it with hooks of that kind), its pre-hooks and
+            what each is asleep under."""
             ancestors = tuple(a for a in above[id(mod)] if a in hooked)
             keys.update(ancestors)
             hooked.add(id(mod))
-            _, pres = hooks.setdefault(id(mod), (mod, []))
-            return (() if unit is None else (unit,)) + ancestors, pres
+            _, pres, withins = hooks.setdefault(id(mod), (mod, [], []))
+            return (() if unit is None else (unit,)) + ancestors, pres, withins
 
         for mod, below in readers(self.module):
             mine = [slot for slot in slots if id(slot[1]) in below]
             bufs = [slot for slot in buffers if id(slot[1]) in below]
             if mine or bufs:
-                within, pres = place(mod, inside.get(id(mod)))
+                within, pres, withins = place(mod, inside.get(id(mod)))
                 pres.append(pre(OUTSIDE, mine, below, within, bufs))
+                withins.append(within)
         for unit, top, unit_slots in self._unit_modules:
             hooked.clear()
             for mod, below in readers(top):
                 if mod is not top and any(id(slot[1]) in below for slot in unit_slots):
-                    within, pres = place(mod, unit)
+                    within, pres, withins = place(mod, unit)
                     pres.insert(0, pre(unit, unit_slots, below, within))
+                    withins.insert(0, within)
         self._above_some = keys  # (`_cover_in` counts only these: no hook reads another's count)
-        # One pre-hook a module; the post-hook goes on a module only for a run that covers
-        # (`_post_on`): the modules asleep below a covering one run with one hook, not two.
+        # One pre-hook a module. A module of one pre-hook gets the post-hook only once its
+        # pre-hook covers (`_post_on`): the modules asleep below a covering one run with one hook,
+        # not two. A module of two has both post-hooks from the start (one cover each to undo).
         self._recompute_post = post
-        for mod, pres in hooks.values():
-            self._specs.append((mod, True, pres[0] if len(pres) == 1 else _both(pres), RECOMPUTE))
+        for mod, pres, withins in hooks.values():
+            if len(pres) == 1:
+                self._specs.append((mod, True, pres[0], RECOMPUTE))
+            else:
+                self._static_posts.add(id(mod))
+                self._specs += [(mod, True, _both(pres), RECOMPUTE),
+                                (mod, False, _both([post_for(w) for w in withins]), RECOMPUTE)]
 
     def _cover_in(self, mod: torch.nn.Module, unit: int, names: list[str], places: list[tuple[dict, str]],
                   below: frozenset, slots: list, buffer_names: Sequence[str]) -> bool:
@@ -235,7 +259,7 @@ class Recompute:
         goes on ``mod``, in time for this run (torch reads a module's post-hooks after its
         forward), and stays with the other call hooks (`attach`) until they leave: a post-hook
         cannot leave the table torch is running it from."""
-        if id(mod) not in self._posted:
+        if id(mod) not in self._posted and id(mod) not in self._static_posts:
             put_post(mod, self._recompute_post_key, self._recompute_post)
             self._posted[id(mod)] = mod
 
