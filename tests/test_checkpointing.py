@@ -1412,3 +1412,51 @@ def test_a_checkpointed_module_of_two_recompute_pre_hooks_undoes_both(stage, per
     got = zfunc.full_params(state)
     for name, p in ref.named_parameters():
         torch.testing.assert_close(got[name], p.detach(), rtol=1e-6, atol=1e-6)
+
+
+class _HookedLayer(torch.nn.Linear):
+    """Registers a hook doubling its weight's gradient in each forward autograd records (under
+    reentrant checkpointing, the recomputation), and counts the hook's calls."""
+
+    calls: list[int]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            self.calls.append(0)
+            self.weight.register_hook(lambda g: self.calls.__setitem__(-1, self.calls[-1] + 1) or g * 2)
+        return super().forward(x)
+
+
+class _Around(torch.nn.Module):
+    """An input layer, then ``layer`` under reentrant checkpointing."""
+
+    def __init__(self, layer: torch.nn.Module):
+        super().__init__()
+        self.inp, self.a = torch.nn.Linear(6, 6), layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.a, self.inp(x), use_reentrant=True)
+
+
+def test_a_hook_a_recomputed_forward_registers_on_a_weight_stays_with_that_recomputation(monkeypatch):
+    """A recomputed forward that registers a hook on its weight gets a fresh leaf for it in the
+    next backward (a kept one would carry every earlier backward's hook): each recomputation's
+    hook runs once, and donating or not (which decides whether the next step's leaves over the
+    same memory are kept) trains alike."""
+    monkeypatch.setattr("zfunc.autograd.recompute.compiled_anything", lambda: False)  # (another test may compile)
+    out = {}
+    for donate in (True, False):
+        torch.manual_seed(0)
+        layer = _HookedLayer(6, 6)
+        layer.calls = []
+        model = _Around(layer)
+        loss_fn = lambda m, x: m(x).sum()  # noqa: E731
+        state = zfunc.init(model, zfunc.Config(stage=0, grad_accum=2, optimizer=zfunc.sgd(lr=0.01)))
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            for _ in range(2):
+                state, _ = zfunc.backward_step(state, loss_fn, torch.randn(4, 6, generator=g), donate=donate)
+            state = zfunc.apply_step(state, donate=donate)
+        assert layer.calls == [1] * 6, (donate, layer.calls)
+        out[donate] = zfunc.full_params(state)["a.weight"]
+    torch.testing.assert_close(out[True], out[False], rtol=0, atol=0)

@@ -53,6 +53,20 @@ def compiled_anything() -> bool:
     return dynamo is not None and bool(dynamo.utils.counters["frames"]["total"])
 
 
+def has_grad_hooks(t: torch.Tensor) -> bool:
+    """Whether a hook was registered on ``t`` (``register_hook``,
+    ``register_post_accumulate_grad_hook``) and is still there: a read of the tensor's hook
+    tables; no public equivalent.
+
+    Examples:
+        >>> t = torch.zeros(2, requires_grad=True)
+        >>> h = t.register_hook(lambda g: g)
+        >>> has_grad_hooks(t), h.remove(), has_grad_hooks(t)
+        (True, None, False)
+    """
+    return bool(t._backward_hooks) or bool(t._post_accumulate_grad_hooks)
+
+
 def plain() -> Any:
     """Tensors made inside it are plain ones, even where a ``torch.func`` transform runs (a user's
     ``grad`` around the model): the collectives' buffers are the state's, never the transform's.

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zfunc._probes import graph_task
+from zfunc._probes import graph_task, has_grad_hooks
 from zfunc.autograd.calls import at_backward_end, note_backwards
 
 if TYPE_CHECKING:
@@ -200,12 +200,14 @@ class Spares:
             return {}
 
     def give(self, compute: torch.Tensor, leaves: dict[str, torch.Tensor]) -> None:
-        """Keep ``leaves`` (over ``compute``, none holding a gradient) for a later backward."""
+        """Keep ``leaves`` (over ``compute``, none holding a gradient) for a later backward, but
+        one the recomputed forward registered a hook on (``self.weight.register_hook(...)``):
+        that hook belongs to that recomputation, as on the fresh leaf a later one gets."""
         if compute.numel() == 0:  # given away meanwhile (donated): its memory is another state's
             return
         entry = self._entry(compute)
         if len(entry[2]) < _KEPT_SETS:
-            entry[2].append(leaves)
+            entry[2].append({n: leaf for n, leaf in leaves.items() if not has_grad_hooks(leaf)})
 
     def moved(self, old: torch.Tensor, new: torch.Tensor) -> None:
         """``new`` holds ``old``'s memory now (a donation made it; ``old`` is emptied): the sets
