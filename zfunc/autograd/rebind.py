@@ -201,7 +201,7 @@ class Spares:
 
     def give(self, compute: torch.Tensor, leaves: dict[str, torch.Tensor]) -> None:
         """Keep ``leaves`` (over ``compute``, none holding a gradient) for a later backward, but
-        one the recomputed forward registered a hook on (``self.weight.register_hook(...)``):
+        one the recomputed forward put a gradient hook on (a hook on ``self.weight`` made in ``forward``):
         that hook belongs to that recomputation, as on the fresh leaf a later one gets."""
         if compute.numel() == 0:  # given away meanwhile (donated): its memory is another state's
             return
