@@ -1350,7 +1350,7 @@ def test_recompute_leaves_are_kept_for_the_next_backward_on_the_same_memory(dona
     assert len(spares._by) == 0  # the buffer went, and its leaves with it (by reference counting)
 
 
-class _Scaled(torch.nn.Module):
+class _ScaledChild(torch.nn.Module):
     """A layer and a buffer: inside a unit, its pre-hooks are two (the unit's parameters, and
     the buffer, which no unit holds)."""
 
@@ -1369,7 +1369,7 @@ class _CheckpointsChild(torch.nn.Module):
 
     def __init__(self, reentrant: bool, d: int):
         super().__init__()
-        self.c, self.out, self.reentrant = _Scaled(d), torch.nn.Linear(d, d), reentrant
+        self.c, self.out, self.reentrant = _ScaledChild(d), torch.nn.Linear(d, d), reentrant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(torch.tanh(torch.utils.checkpoint.checkpoint(self.c, x, use_reentrant=self.reentrant)))
