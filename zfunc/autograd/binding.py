@@ -80,8 +80,7 @@ def _take_off(phases: dict[int, tuple[list, list]], ids: dict[tuple[int, bool], 
               posted: dict[int, torch.nn.Module]) -> None:
     """Take the call hooks of the phases in ``attached`` off their modules (`ModuleBinding.attach`
     put them there), and the recompute post-hooks (``posted``, `Recompute._post_on`), and empty
-    them. (A hook table the user replaced meanwhile
-    lacks them.)"""
+    them. (A hook table the user replaced meanwhile lacks them.)"""
     for phase in attached:
         pres, posts = phases.get(phase) or ((), ())
         key = ids[(phase, True)]

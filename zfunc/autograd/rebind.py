@@ -85,7 +85,8 @@ class Rebind:
                 continue
             leaf = made.get(n)
             if leaf is None:
-                leaf = self._spare.get(task, _NONE).pop(n, None)
+                spare = self._spare.get(task)
+                leaf = spare.pop(n, None) if spare else None
                 if leaf is None:
                     _, (offset, shape, stride) = self.plan.by_name[n]
                     c = self.compute
@@ -157,7 +158,6 @@ def _backward_ended(ref: weakref.ref, task: int) -> None:
                 rebind.settle()
 
 
-_NONE: dict = {}  # (an empty dict never written)
 _KEPT_SETS = 2  # leaf sets a `Spares` keeps per buffer: as many backwards recomputing on it at once
 
 

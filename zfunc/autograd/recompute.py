@@ -160,9 +160,9 @@ class Recompute:
         # its kind put its subtree's in (`_cover_in` counts it by the module's id).
         inside = {id(m): unit for unit, top, _ in self._unit_modules for m in top.modules() if m is not top}
         above = _above(self.module)
-        # id(module) -> (the module, its pre-hooks in the order they run, its post-hooks likewise:
-        # its unit's covers first and is undone last)
-        hooks: dict[int, tuple[torch.nn.Module, list, list]] = {}  # id -> (module, pre-hooks, their ``within``)
+        # id(module) -> (the module, its pre-hooks in the order they run, what each is asleep
+        # under): its unit's covers first and is undone last
+        hooks: dict[int, tuple[torch.nn.Module, list, list]] = {}
         keys: set[int] = set()  # the covering modules some hook's ``within`` holds (by id)
         hooked: set[int] = set()  # the modules with hooks of the kind being placed
 
