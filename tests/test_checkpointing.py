@@ -514,12 +514,15 @@ def _grads_with(stage: int, ckpt: str, interfere: str | None) -> tuple[torch.Ten
 @pytest.mark.parametrize("ckpt", ["nonreentrant", "reentrant"])
 def test_zfunc_in_another_thread_gives_right_gradients_or_a_clear_error(ckpt):
     """A zfunc call in another thread while a checkpointed backward is in flight leaves its
-    gradients exact; two threads running one module at once get exact gradients, or (where
-    their forwards overlap) an error that names the cause, never wrong numbers."""
+    gradients exact (the call itself runs, or, once the backward recomputes, when the module
+    holds that backward's tensors until its end, is refused naming the cause); two threads
+    running one module at once get exact gradients, or (where their forwards overlap) an error
+    that names the cause, never wrong numbers."""
     for stage in (0, 2, 3):
         alone, none = _grads_with(stage, ckpt, None)
         during, errors = _grads_with(stage, ckpt, "during")
-        assert not none and not errors and torch.equal(during, alone), stage
+        assert not none and len(during) == 1 and torch.equal(during, alone), stage
+        assert all("in another thread now" in str(e) for e in errors), (stage, errors)
         both, errors = _grads_with(stage, ckpt, "concurrent")
         assert all(torch.equal(g, alone[0]) for g in both), stage
         assert all("in another thread now" in str(e) for e in errors), (stage, errors)
@@ -726,7 +729,7 @@ class _ReadsEmbedding(torch.nn.Module):
         return torch.utils.checkpoint.checkpoint(lambda h: head(torch.tanh(self.blk(h))), h, use_reentrant=True)
 
 
-def _read_off(rank: int, stage: int, units: list | None, how: str, call: str) -> str | None:
+def _read_off(rank: int, stage: int, units: list | None, how: str, call: str) -> str | list[torch.Tensor]:
     torch.manual_seed(0)
     model = _ReadsEmbedding(how)
     model(torch.tensor([[1]])).sum().backward()  # a .grad the model had before init: not the call's
@@ -744,23 +747,41 @@ def _read_off(rank: int, stage: int, units: list | None, how: str, call: str) ->
             state = zfunc.apply_step(state)
     except RuntimeError as e:
         return str(e)
-    return None
+    return list(zfunc.full_params(state).values())
 
 
-def test_a_segment_reading_a_weight_off_a_module_it_does_not_call_is_refused():
-    """Under reentrant checkpointing such a read sends that gradient to the module's own
-    ``.grad`` (the recompute hooks bind a module's parameters while it, or a module above it,
-    runs): the backward raises at its end, naming the parameter, on every rank, at every stage,
-    whether or not a module of the model is recomputed in it, instead of training without it. A
-    segment that calls its modules trains (a ``.grad`` the model had before ``init`` is not taken
-    for a read)."""
+def _read_off_in_torch(how: str) -> list[torch.Tensor]:
+    """`_read_off`'s two SGD steps of a world of two in plain torch (its mean over the ranks)."""
+    torch.manual_seed(0)
+    model = _ReadsEmbedding(how)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(2):
+        opt.zero_grad()
+        (sum(model(torch.tensor([[1, 2, 3 + rank]])).square().mean() for rank in range(2)) / 2).backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def test_a_segment_reading_a_weight_off_a_module_it_does_not_call_trains_or_is_refused():
+    """Under reentrant checkpointing a segment that reads a weight off a module it does not call:
+    after a module of the model was recomputed in that backward (``"block"``), the module holds
+    the call's parameters (put in at the first one) and it trains as torch; with none recomputed
+    (``"head"``), or at stage 3 none holding a parameter of the root (the block a unit: the root
+    is gathered again only for a module that holds part of it), the read sends that gradient to
+    the module's own ``.grad``: the backward raises at its end, naming the parameter, on every
+    rank, instead of training without it. A segment that calls its modules trains (a ``.grad``
+    the model had before ``init`` is not taken for a read)."""
     for stage, units in ((0, None), (2, None), (3, None), (3, ["blk"])):
         for call in ("backward_step", "vjp"):
-            for how in ("block", "head"):
+            for how in ("head", "block") if units else ("head",):
                 for message in run_ranks(_read_off, 2, stage, units, how, call):
-                    assert message is not None and "the .grad of the model's own ['emb.weight']," in message, (
+                    assert isinstance(message, str) and "the .grad of the model's own ['emb.weight']," in message, (
                         stage, units, how, call, message)
-            assert run_ranks(_read_off, 2, stage, units, "calls", call) == [None, None], (stage, units, call)
+            for how in ("calls",) if units else ("block", "calls"):
+                want = _read_off_in_torch(how)
+                for got in run_ranks(_read_off, 2, stage, units, how, call):
+                    assert not isinstance(got, str), (stage, units, how, call, got)
+                    assert max((a - b).abs().max().item() for a, b in zip(got, want)) < 1e-6, (stage, units, how, call)
 
 
 class _Head(torch.nn.Module):
@@ -1281,11 +1302,12 @@ class _Pairs(torch.nn.Module):
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
-def test_only_the_module_that_puts_tensors_in_carries_a_recompute_post_hook(reentrant, monkeypatch):
-    """In a recomputation the outermost recomputed module (a pair) puts the call's parameters of
-    its subtree in, and a post-hook goes on it to undo them; the layers asleep below it carry
-    zfunc's pre-hook only, no post-hook (one hook call per layer, not two). None is left once
-    the backward is done, and one SGD step gives torch's gradients."""
+def test_a_recomputation_runs_on_the_calls_tensors_with_no_hook_on_its_modules(reentrant, monkeypatch):
+    """At the first module a backward recomputes, the call's parameters go in the module's entries
+    for the rest of that backward (as ``functional_call`` puts a call's in): every recomputed
+    layer reads them there with no zfunc hook on it (none on the pairs or their layers while
+    they run: the plain call path, as in torch), the module holds its own parameters again once
+    the backward is done, with no hook left, and one SGD step gives torch's gradients."""
     monkeypatch.setattr("zfunc.autograd.recompute.compiled_anything", lambda: False)  # (another test may compile)
     torch.manual_seed(0)
     model = _Pairs(reentrant)
@@ -1295,17 +1317,21 @@ def test_only_the_module_that_puts_tensors_in_carries_a_recompute_post_hook(reen
     model(x).backward()
     expected = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
-    seen: list[tuple[int, int, int]] = []  # at each layer a's recomputation: post-hooks on its pair, a, b
+    own = list(model.parameters())
+    seen: list[tuple[int, int, bool]] = []  # at each layer b's recomputation: zfunc's hooks on its pair and layers
     for pair in model.pairs:
-        pair.a.register_forward_pre_hook(
+        pair.b.register_forward_pre_hook(
             lambda mod, args, pair=pair: seen.append(
-                (len(pair._forward_hooks), len(pair.a._forward_hooks), len(pair.b._forward_hooks)))
+                (sum(len(m._forward_hooks) for m in pair.modules()),
+                 sum(len(m._forward_pre_hooks) for m in pair.modules()) - 1,  # (this hook)
+                 type(pair.a.weight) is torch.nn.Parameter))
             if torch.is_grad_enabled() else None)
     state = zfunc.init(model, zfunc.Config(stage=0, grad_accum=1, optimizer=zfunc.sgd(lr=0.5)))
     state, _ = zfunc.backward_step(state, lambda m, x: m(x), x)
-    assert seen[-2:] == [(1, 0, 0)] * 2, seen  # the two recomputations: the pair's post-hook only
-    assert all(len(m._forward_hooks) == 0 and len(m._forward_pre_hooks) == (m in [p.a for p in model.pairs])
+    assert seen[-2:] == [(0, 0, False)] * 2, seen  # the two recomputations: no hook, the call's tensors
+    assert all(len(m._forward_hooks) == 0 and len(m._forward_pre_hooks) == (m in [p.b for p in model.pairs])
                for m in model.modules())  # the user's hooks only
+    assert all(a is b for a, b in zip(model.parameters(), own))
     got = zfunc.full_params(zfunc.apply_step(state))
     for name, p0, g in zip(names, before, expected):
         torch.testing.assert_close(got[name], p0 - 0.5 * g, rtol=1e-6, atol=1e-6)
@@ -1460,3 +1486,51 @@ def test_a_hook_a_recomputed_forward_registers_on_a_weight_stays_with_that_recom
         assert layer.calls == [1] * 6, (donate, layer.calls)
         out[donate] = zfunc.full_params(state)["a.weight"]
     torch.testing.assert_close(out[True], out[False], rtol=0, atol=0)
+
+
+class _RootAndBlocks(torch.nn.Module):
+    """An embedding and a head (the root at stage 3) around two checkpointed blocks (units), the
+    head checkpointed too with ``head``."""
+
+    def __init__(self, reentrant: bool, head: bool):
+        super().__init__()
+        self.emb = torch.nn.Linear(4, 8)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(2))
+        self.head = torch.nn.Linear(8, 1)
+        self.reentrant, self.checkpoint_head = reentrant, head
+
+    def forward(self, x):
+        h = self.emb(x)
+        for block in self.blocks:
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=self.reentrant)
+        if self.checkpoint_head:
+            return torch.utils.checkpoint.checkpoint(self.head, h, use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_stage3_gathers_the_root_again_only_for_a_recomputed_module_that_holds_part_of_it(reentrant, monkeypatch):
+    """At stage 3 a backward that recomputes only units gathers the root (the embedding and the
+    head) no second time; one that recomputes the head gathers it once more, for the rest of the
+    backward. Both train as torch (one SGD step)."""
+    from zfunc.autograd.gather import UnitGatherer
+
+    gathered: list[int] = []
+    views = UnitGatherer.views
+    monkeypatch.setattr(UnitGatherer, "views", lambda self, names: gathered.append(len(names)) or views(self, names))
+    for head in (False, True):
+        torch.manual_seed(0)
+        model = _RootAndBlocks(reentrant, head)
+        x = torch.randn(3, 4)
+        before = [p.detach().clone() for p in model.parameters()]
+        model(x).square().sum().backward()
+        expected = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        state = zfunc.init(model, zfunc.Config(stage=3, units=["blocks.0", "blocks.1"], persist_threshold=0,
+                                               optimizer=zfunc.sgd(lr=0.5)))
+        gathered.clear()
+        state, _ = zfunc.backward_step(state, lambda m, x: m(x).square().sum(), x)
+        assert gathered == ([4] if head else []), (head, gathered)  # emb and head, weight and bias each
+        got = list(zfunc.full_params(zfunc.apply_step(state)).values())
+        for p0, g, p in zip(before, expected, got):
+            torch.testing.assert_close(p, p0 - 0.5 * g, rtol=1e-6, atol=1e-6)

@@ -203,6 +203,41 @@ def test_a_checkpointed_block_compiled_in_place_is_refused_where_zfunc_cannot_co
             run_ranks(_compiled_in_place, 1, stage, True, ckpt, units, norm, rows)
 
 
+class _ChildCheckpointed(nn.Module):
+    """A block whose forward checkpoints its first layer on its own."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.a, self.b, self.reentrant = nn.Linear(8, 8), nn.Linear(8, 8), reentrant
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(torch.utils.checkpoint.checkpoint(self.a, h, use_reentrant=self.reentrant)))
+
+
+def _child_compiled_in_place(rank: int, ckpt: str) -> None:
+    """A backward of two `_ChildCheckpointed` units at stage 3, their checkpointed layers compiled
+    in place."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), _ChildCheckpointed(ckpt == "reentrant"), _ChildCheckpointed(ckpt == "reentrant"))
+    for block in (model[1], model[2]):
+        block.a.compile(backend="aot_eager")
+    state = zfunc.init(model, zfunc.Config(stage=3, units=["1", "2"], persist_threshold=0))
+    zfunc.backward_step(state, lambda m, x: m(x).pow(2).mean(), torch.randn(4, 3))
+
+
+@pytest.mark.parametrize("ckpt", ["reentrant", "nonreentrant"])
+def test_a_checkpointed_layer_of_a_unit_compiled_in_place_is_refused(ckpt):
+    """A layer inside a unit's module, compiled in place and checkpointed on its own (its unit's
+    module not running around its recomputation): its unit recompute hook, which gathers the
+    unit again and puts it in, would run inside the compiled call, so the recomputation is
+    refused with an error naming the fix."""
+    with pytest.raises(WorldError, match=r"recomputes Linear inside compiled code: it was compiled in place"):
+        run_ranks(_child_compiled_in_place, 1, ckpt)
+
+
 def _compiled_after_init(rank: int, stage: int, compiled: bool, ckpt: str | None) -> tuple[dict, list[str]]:
     """Three steps of `_Blocks` whose blocks are put in place as ``torch.compile(block)`` after
     `zfunc.init` (or left eager): `zfunc.full_params`, and the names `zfunc.iter_full_params`

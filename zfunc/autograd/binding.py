@@ -37,6 +37,7 @@ from zfunc.autograd.direct_reads import DirectReads
 from zfunc.distributed.pool import Pool
 from zfunc.autograd.recompute import CALL as _CALL
 from zfunc.autograd.recompute import RECOMPUTE as _RECOMPUTE
+from zfunc.autograd.recompute import TRIGGER as _TRIGGER
 from zfunc.autograd.recompute import Recompute
 from zfunc.autograd.rebind import Spares
 from zfunc.autograd.routing import Routing
@@ -155,8 +156,8 @@ class ModuleBinding(Routing, Recompute):
         # apart). Negative, from this binding's own identity: torch's ids count up from 0 in each
         # process (an unpickled module carries the ids of the process that made its hooks), and
         # no live binding shares another's (a binding's hooks leave with it).
-        self._ids = {(phase, pre): -(4 * id(self) + 2 * phase + pre)
-                     for phase in (_CALL, _RECOMPUTE) for pre in (False, True)}
+        self._ids = {(phase, pre): -(8 * id(self) + 2 * phase + pre)
+                     for phase in (_CALL, _RECOMPUTE, _TRIGGER) for pre in (False, True)}
         # Until the first module of a backward runs (a recomputation): the one global pre-hook that
         # puts the recompute hooks on then (`arm`); a backward that recomputes nothing never has them.
         self._armed: list[RemovableHandle] = []
@@ -224,6 +225,10 @@ class ModuleBinding(Routing, Recompute):
         # (`Recompute._run`): the recompute hooks below it are asleep
         self._running: dict[int, int] = {}
         self._runners: dict[int, dict[int, int]] = {}
+        # What `Recompute._swap_whole` put in for the backwards running now, by the id of its
+        # undoing (`_Whole`, which autograd holds, not the binding): its thread, call, and whether
+        # the parameters went in (at stage 3 the buffers may go in first)
+        self._wholes: dict[int, tuple[int, Any, bool]] = {}
         if stage == 3:
             self._install_unit_hooks([(i, u.name, [s.name for s in u.slots]) for i, u in enumerate(layout.units)
                                       if u.name != "root"])
@@ -258,10 +263,10 @@ class ModuleBinding(Routing, Recompute):
                     "of its own (zfunc.init of a copy.deepcopy of the model)")
             self._users[me] = self._users.get(me, 0) + 1
 
-    def release(self) -> None:
-        """This thread's `occupy` ends; with it the last call, if no call's graph lives: the
-        call hooks leave the module."""
-        me = threading.get_ident()
+    def release(self, thread: int | None = None) -> None:
+        """This thread's (or ``thread``'s) `occupy` ends; with it the last call, if no call's
+        graph lives: the call hooks leave the module."""
+        me = threading.get_ident() if thread is None else thread
         with self._users_lock:
             left = self._users.get(me, 0) - 1
             if left > 0:
@@ -277,8 +282,6 @@ class ModuleBinding(Routing, Recompute):
         recomputes nothing, run without them. Each pre-hook
         goes before the user's hooks (a weight-norm hook reads the unit's parameters)."""
         with self._users_lock:
-            if phase == _RECOMPUTE:
-                _remove(self._armed)
             if phase in self._attached or self._removed:
                 return
             pres, posts = self._phases.get(phase) or ((), ())
@@ -403,7 +406,7 @@ class ModuleBinding(Routing, Recompute):
             if call is not None:  # a forward call
                 b.occupy()  # (released by the post-hook, which always runs)
                 call.enter(i, slots)
-            elif (b.stage != 3 or b.flight.backwards) and b._cover_in(mod, i, names, places, below, slots, ()):
+            elif (b.stage != 3 or b.flight.backwards) and b._cover_in(mod, i, names, places, below, slots):
                 pass  # recomputed in backward (at stage 3 a backward through this binding's calls)
             elif b.donated:
                 b._refuse()

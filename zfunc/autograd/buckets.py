@@ -538,6 +538,8 @@ class TapPlan:
     places: tuple[tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...], ...]
     flat: tuple[tuple[int, Slot], ...]  # ``(bucket, slot)`` of every parameter, bucket by bucket
     by_name: dict[str, tuple[Any, tuple[int, tuple[int, ...], tuple[int, ...]]]]  # name -> (key, place)
+    names: tuple[tuple[str, ...], ...]  # each bucket's parameter names
+    bucket: dict[str, int]  # name -> its bucket's index
 
     @classmethod
     def of(cls, buckets: Sequence[Sequence[tuple[Any, Slot]]]) -> TapPlan:
@@ -545,7 +547,9 @@ class TapPlan:
         return cls(buckets=buckets, keys=tuple(tuple(key for key, _ in b) for b in buckets),
                    places=tuple(_places(tuple(s for _, s in b)) for b in buckets),
                    by_name={s.name: (key, _places.__wrapped__((s,))[0]) for b in buckets for key, s in b},
-                   flat=tuple((k, s) for k, b in enumerate(buckets) for _, s in b))
+                   flat=tuple((k, s) for k, b in enumerate(buckets) for _, s in b),
+                   names=tuple(tuple(s.name for _, s in b) for b in buckets),
+                   bucket={s.name: k for k, b in enumerate(buckets) for _, s in b})
 
 
 def tap_plan(binding: Any, path: str, buckets: tuple[Bucket, ...]) -> TapPlan:

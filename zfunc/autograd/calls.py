@@ -53,6 +53,10 @@ class InFlight:
         # and whether any (what compiled hooks read: one value whatever the count)
         self.covered = 0
         self.any_covered = False
+        # A backward's recomputations have the buffers (``any_whole``) and the parameters outside
+        # the units (``params_in``) in the module now (`zfunc.autograd.recompute.Recompute._swap_whole`)
+        self.any_whole = False
+        self.params_in = False
         self._running: dict[int, list[Any]] = {}  # thread -> its calls, innermost last
         self._entered: dict[int, int] = {}  # graph task -> backwards through it
         self._threads: dict[int, set[int]] = {}  # graph task -> the threads its markers ran in (`enclosing`)
@@ -96,6 +100,11 @@ class InFlight:
     def through_calls(self, task: int) -> bool:
         """Whether backward ``task`` reached one of the binding's calls' outputs."""
         return task in self._entered
+
+    def tasks(self) -> int:
+        """How many backwards run through the calls' outputs now (one each, however many
+        outputs it reaches)."""
+        return len(self._entered)
 
     def nested(self) -> bool:
         """Whether the backward running now is one that a backward through a call's outputs

@@ -306,6 +306,11 @@ class UnitGatherer:
                         self._root_again.update(lay.views(unit, self.gather(i)))
         return {n: frozen[n] if n in frozen else self._root_again[n] for n in names}
 
+    def whole(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """`views` for every recomputation of a backward at once
+        (`zfunc.autograd.recompute.Recompute._swap_whole`)."""
+        return self.views(names)
+
     def enter(self, i: int, slots: list[tuple[str, torch.nn.Module, str]]) -> None:
         """Unit ``i``'s module starts: its parameters become views of the gathered unit, and
         while it runs, tensors autograd saves from them are stored as recipes (`_saving`)."""

@@ -32,9 +32,10 @@ class Rebind:
     does for a plain model (a Python node of zfunc's per segment costs more than the segment's
     arithmetic in a model of small layers), and `collect` hands them to ``take(keys, grads)``, the
     call's batch taker: once more than ``limit`` elements (a bucket's) were handed out since the
-    last collect, when the collector runs, and when the backward ends. So at most about a bucket of
-    gradient waits outside the accumulator, and buckets still complete, and start their reduce,
-    one after another during backward. The call's graph keeps the rebind alive, and nothing else:
+    last collect (`views`, per recomputed module), bucket by bucket as segments finish (`whole`,
+    every parameter for a backward at once), when the collector runs, and when the backward ends.
+    So about a bucket or two of gradient waits outside the accumulator, and buckets still
+    complete, and start their reduce, one after another during backward. The call's graph keeps the rebind alive, and nothing else:
     it exists exactly while the call's backward can still run.
 
     Examples:
@@ -63,14 +64,17 @@ class Rebind:
         self._made: dict[int, dict[str, torch.Tensor]] = {}  # by backward (graph task): the leaves handed out in it
         self._spare: dict[int, dict[str, torch.Tensor]] = {}  # by backward: earlier backwards' leaves not handed out yet
         self._since = 0  # elements handed out since the last collect
+        self._hooked: dict[int, list[Any]] = {}  # by backward: the handles of `whole`'s bucket hooks
+        self._ready: int | None = None  # the bucket whose first parameter's gradient came last (`_bucket_in`)
 
     def replaced(self) -> bool:
         """Whether the call's compute buffer was given away since its forward (a donating step
         emptied it)."""
         return self.compute.numel() == 0
 
-    def views(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """Parameters ``names`` (trained or frozen) as the call had them."""
+    def views(self, names: list[str], whole: bool = False) -> dict[str, torch.Tensor]:
+        """Parameters ``names`` (trained or frozen) as the call had them (``whole``: every one
+        for the backward at once, `whole`: none collects what earlier ones hold)."""
         task = graph_task()
         made = self._made.get(task)
         if made is None:
@@ -93,10 +97,34 @@ class Rebind:
                     # (detached: not a view holding ``compute`` alive, as a kept leaf must not be)
                     leaf = c.as_strided(shape, stride, c.storage_offset() + offset).detach().requires_grad_()
                 made[n] = leaf
-                self._since += leaf.numel()
-                if self._since > self.limit:  # the earlier segments' backwards are done: theirs in
-                    self.collect(made)
+                if not whole:
+                    self._since += leaf.numel()
+                    if self._since > self.limit:  # the earlier segments' backwards are done: theirs in
+                        self.collect(made)
             out[n] = leaf
+        return out
+
+    def whole(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Parameters ``names`` (in the module's order) for every recomputation of the backward
+        running now, handed out at once (`zfunc.autograd.recompute.Recompute._swap_whole`). Under
+        reentrant checkpointing each bucket's gradients are handed to ``take`` once the first of
+        its parameters in ``names`` has one: the segments run their backwards last to first, so
+        that one's gradient comes last, and about a bucket waits outside the accumulator. What
+        comes later, or in another order, is handed over when the collector runs or the backward
+        ends, as `views`' are."""
+        task = graph_task()
+        out = self.views(names, whole=True)
+        made = self._made.get(task)
+        if task == -1 or made is None or task in self._hooked:
+            return out
+        first: dict[int, str] = {}
+        bucket = self.plan.bucket
+        for n in names:
+            if n in made:
+                first.setdefault(bucket[n], n)
+        ref = weakref.ref(self)
+        self._hooked[task] = [made[n].register_post_accumulate_grad_hook(functools.partial(_bucket_in, ref, made, k))
+                              for k, n in first.items()]
         return out
 
     def collect(self, made: dict[str, torch.Tensor] | None = None) -> None:
@@ -148,6 +176,8 @@ class Rebind:
 def _backward_ended(ref: weakref.ref, task: int) -> None:
     rebind = ref()
     if rebind is not None:
+        for handle in rebind._hooked.pop(task, ()):
+            handle.remove()
         made = rebind._made.pop(task, None)
         spare = rebind._spare.pop(task, None)
         if made is not None:
@@ -156,6 +186,19 @@ def _backward_ended(ref: weakref.ref, task: int) -> None:
                 rebind.spares.give(rebind.compute, {**spare, **made} if spare else made)
             if task in rebind.tasks:  # through the call's outputs, not a segment's nested backward
                 rebind.settle()
+
+
+def _bucket_in(ref: weakref.ref, made: dict[str, torch.Tensor], k: int, leaf: torch.Tensor) -> None:
+    """The first parameter of bucket ``k`` in the module's order has its gradient (`Rebind.whole`):
+    the gradients of the bucket whose first one came before go to the call's batch taker, and
+    bucket ``k``'s wait for the next (a parameter used in the segment and outside it gets its other
+    part from the call's graph meanwhile, before its bucket can start; the collector takes what
+    is left)."""
+    rebind = ref()
+    if rebind is not None:
+        earlier, rebind._ready = rebind._ready, k
+        if earlier is not None and earlier != k:
+            rebind.collect({n: made[n] for n in rebind.plan.names[earlier] if n in made})
 
 
 _KEPT_SETS = 2  # leaf sets a `Spares` keeps per buffer: as many backwards recomputing on it at once

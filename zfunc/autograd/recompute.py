@@ -1,11 +1,13 @@
 """The recompute binding: a forward that activation checkpointing recomputes during backward,
 outside zfunc's call, runs on the parameters of the call whose backward it is. A mixin of
-`zfunc.autograd.binding.ModuleBinding`: a forward pre-hook on each module whose subtree holds
-parameters outside the units or buffers, and on those inside a unit's module
-(`Recompute._install_recompute_hooks`; a post-hook on a module whose pre-hook put tensors in,
-`Recompute._post_on`), put on at the first recomputation in a backward
-through a call's outputs (`Recompute._arm`) and acting only while one runs; the call is found
-from the graph (`Recompute._source`).
+`zfunc.autograd.binding.ModuleBinding`. The parameters outside the units (every one at stages
+0-2 without units) and the buffers go in the module's entries at the first module a backward
+through a call's outputs recomputes, for the rest of that backward (`Recompute._swap_whole`,
+from one global pre-hook armed until then, `Recompute._arm`): the recomputed modules run with no
+hook of zfunc's. A unit's parameters go in per module, by a forward pre-hook on each module
+inside a unit's module (`Recompute._install_recompute_hooks`; a post-hook on a module whose
+pre-hook put tensors in, `Recompute._post_on`), put on at the first recomputation and acting only
+while one runs. The call is found from the graph (`Recompute._source`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -23,9 +24,9 @@ from zfunc.autograd import calls
 from zfunc.autograd.direct_reads import DirectReads
 from zfunc.autograd.swap import put_back, put_post, swap_in
 
-__all__ = ["Recompute", "CALL", "RECOMPUTE"]
+__all__ = ["Recompute", "CALL", "RECOMPUTE", "TRIGGER"]
 
-CALL, RECOMPUTE = 0, 1  # the phases of `zfunc.autograd.binding.ModuleBinding.attach`
+CALL, RECOMPUTE, TRIGGER = 0, 1, 2  # the phases of `zfunc.autograd.binding.ModuleBinding.attach`
 OUTSIDE = -1  # what `Recompute._cover_in` puts in: the parameters outside the units (else a unit's index)
 
 
@@ -58,25 +59,32 @@ class Recompute:
     _recompute_post_key: int
     _posted: dict[int, torch.nn.Module]
     _static_posts: set[int]
+    _wholes: dict[int, tuple[int, Any, bool]]
+    _outside: tuple[list, list]
+    _triggers: dict[int, tuple[torch.nn.Module, bool]]
 
     def _install_recompute_hooks(self) -> None:
-        """Hooks on each module that can read parameters outside the units in its forward: every
-        module with a forward whose subtree holds one (the holder, and each module above it; a
-        forward reads its children's parameters without calling them, as ``nn.MultiheadAttention``
-        reads ``out_proj.weight``, or a tied head ``F.linear(h, self.emb.weight)`` does). When
-        autograd recomputes a forward during backward (activation checkpointing), outside zfunc's
-        call, the outermost such module recomputed puts the latest call's parameters of its whole
-        subtree in place (`_cover_in`) until it returns; the hooks of the modules below it are
-        asleep meanwhile, in its thread. A compiled module (``torch.compile``'s wrapper, whose
-        forward is its own attribute) is such a module: its hooks, outside its compiled code,
-        cover what the traced hooks inside would. A module compiled in place (``module.compile()``)
-        has its hooks inside its compiled call: a recomputation that needs them to put tensors in
-        there is refused (`_refuse_compiled`). Likewise each module with a forward inside a unit's
-        module (a block's attention or MLP, checkpointed on its own) puts in its unit's parameters, gathered
-        again at stage 3, unless the unit's module runs around it. A read outside the forward of
-        every module whose subtree holds the parameter (``h @ emb.weight.T`` in the checkpointed
-        function itself) is not covered (`zfunc.autograd.direct_reads` refuses it under reentrant
-        checkpointing)."""
+        """What a forward autograd recomputes during backward (activation checkpointing),
+        outside zfunc's call, needs to run on the call's tensors. The parameters outside the
+        units and the buffers go in all at once (`_swap_whole`) when the first module that may
+        read them is recomputed (``_triggers``: a module with a forward whose subtree holds one,
+        the holder and each module above it, as a forward reads its children's parameters
+        without calling them, ``nn.MultiheadAttention``'s ``out_proj.weight`` or a tied head's
+        ``F.linear(h, self.emb.weight)``; and each unit's module), and stay until that backward
+        ends: every later recomputation reads them off the module (also a read in the
+        checkpointed function itself after a module of the model ran). In a process where
+        ``torch.compile`` has run, a pre-hook on each of those modules puts them in instead of
+        the global one (`TRIGGER`): a module compiled in place has it inside its compiled call,
+        and its recomputation, unless a module outside the compiled code put them in already, is
+        refused (`_refuse_compiled`). A read before any module of the model was recomputed
+        in the backward (``h @ emb.weight.T`` alone in a segment) finds the module's own
+        parameter: `zfunc.autograd.direct_reads` refuses it under reentrant checkpointing.
+        A unit's parameters go in per module: each module with a forward inside a unit's module
+        (a block's attention or MLP, checkpointed on its own) puts in its unit's parameters,
+        gathered again at stage 3, unless the unit's module runs around it (its hooks are asleep
+        meanwhile, in its thread). A module compiled in place (``module.compile()``) has these
+        hooks inside its compiled call: a recomputation that needs them to put tensors in there
+        is refused (`_refuse_compiled`)."""
         outside = [n for n, _ in self.module.named_parameters() if n not in self.unit_params]
         slots = self._slots(outside)
         buffers = self._slots([n for n, _ in self.module.named_buffers()], buffers=True)
@@ -99,11 +107,9 @@ class Recompute:
                     return True
             return False
 
-        def pre(unit: int, slots: list, below: frozenset, within: tuple, bufs: list = ()) -> Any:
+        def pre(unit: int, slots: list, below: frozenset, within: tuple) -> Any:
             names = [n for n, _, _ in slots]
             places = [(owner._parameters, attr) for _, owner, attr in slots]
-            places += [(owner._buffers, attr) for _, owner, attr in bufs]
-            buffer_names = [n for n, _, _ in bufs]
             nested = bool(within)
 
             def hook(mod: torch.nn.Module, args: Any) -> None:
@@ -114,7 +120,7 @@ class Recompute:
                     return
                 if torch.compiler.is_compiling():  # traced, and no module outside the compiled code covers it
                     _refuse_compiled(b, mod)
-                elif b._cover_in(mod, unit, names, places, below, slots, buffer_names):
+                elif b._cover_in(mod, unit, names, places, below, slots):
                     b._post_on(mod)
             return hook
 
@@ -158,7 +164,6 @@ class Recompute:
         # A hook is asleep while a module around it covers what it would put in: its unit's module
         # runs (the unit hooks count it by the unit's index), or a module above it with hooks of
         # its kind put its subtree's in (`_cover_in` counts it by the module's id).
-        inside = {id(m): unit for unit, top, _ in self._unit_modules for m in top.modules() if m is not top}
         above = _above(self.module)
         # id(module) -> (the module, its pre-hooks in the order they run, what each is asleep
         # under): its unit's covers first and is undone last
@@ -176,13 +181,19 @@ class Recompute:
             _, pres, withins = hooks.setdefault(id(mod), (mod, [], []))
             return (() if unit is None else (unit,)) + ancestors, pres, withins
 
+        # What lies outside the units (every parameter at stages 0-2 without units, the root's
+        # at stage 3) and the buffers go in all at once, for the rest of the backward, when the
+        # first module whose forward may read them is recomputed (`_swap_whole`).
+        self._outside = (slots, buffers)
+        # (module, whether its subtree holds one of the parameters): the modules whose call in a
+        # backward puts them in, each unit's module too (a read off another module inside it)
+        readers_of = {}
         for mod, below in readers(self.module):
-            mine = [slot for slot in slots if id(slot[1]) in below]
-            bufs = [slot for slot in buffers if id(slot[1]) in below]
-            if mine or bufs:
-                within, pres, withins = place(mod, inside.get(id(mod)))
-                pres.append(pre(OUTSIDE, mine, below, within, bufs))
-                withins.append(within)
+            holds = any(id(slot[1]) in below for slot in slots)
+            if holds or any(id(slot[1]) in below for slot in buffers):
+                readers_of[id(mod)] = (mod, holds)
+        self._triggers = {id(top): (top, False) for _, top, _ in self._unit_modules}
+        self._triggers.update(readers_of)
         for unit, top, unit_slots in self._unit_modules:
             hooked.clear()
             for mod, below in readers(top):
@@ -190,31 +201,61 @@ class Recompute:
                     within, pres, withins = place(mod, unit)
                     pres.insert(0, pre(unit, unit_slots, below, within))
                     withins.insert(0, within)
+        # In a process where torch.compile has run (no global hook, `_arm`), each module whose
+        # subtree holds one of them has a pre-hook that does what the global one does, from the
+        # first backward through a call's outputs on (a phase of its own); inside compiled code a
+        # module outside it (a compiled block's wrapper) put the call's tensors in already, or the
+        # recomputation is refused.
+        def trigger(params: bool) -> Any:
+            def hook(mod: torch.nn.Module, args: Any) -> None:
+                if flight.backwards == 0:
+                    return
+                b = me()
+                if b is None:
+                    return
+                if torch.compiler.is_compiling():
+                    if not (flight.params_in or not params and flight.any_whole):
+                        _refuse_compiled(b, mod)
+                    return
+                b._recomputing(params)
+            return hook
+
+        self._specs += [(mod, True, trigger(holds), TRIGGER) for mod, holds in readers_of.values()]
+        # At stage 3 the root's parameters go in at the first recomputed module that holds one
+        # (gathering the root again is not free): a pre-hook on each such module, with no cover
+        # to undo.
+        roots = set()
+        if self.stage == 3 and slots:
+            root = trigger(True)
+            roots.add(root)
+            for mod, holds in self._triggers.values():
+                if holds:
+                    _, pres, withins = hooks.setdefault(id(mod), (mod, [], []))
+                    pres.append(root)
+                    withins.append(None)
         self._above_some = keys  # (`_cover_in` counts only these: no hook reads another's count)
         # One pre-hook a module. A module of one pre-hook gets the post-hook only once its
         # pre-hook covers (`_post_on`): the modules asleep below a covering one run with one hook,
-        # not two. A module of two has both post-hooks from the start (one cover each to undo).
+        # not two. A module of more has their post-hooks from the start (one cover each to undo).
         self._recompute_post = post
         for mod, pres, withins in hooks.values():
             if len(pres) == 1:
                 self._specs.append((mod, True, pres[0], RECOMPUTE))
             else:
                 self._static_posts.add(id(mod))
-                self._specs += [(mod, True, _both(pres), RECOMPUTE),
-                                (mod, False, _both([post_for(w) for w in withins]), RECOMPUTE)]
+                self._specs += [(mod, True, _all(pres), RECOMPUTE),
+                                (mod, False, _all([post_for(w) for p, w in zip(pres, withins) if p not in roots]),
+                                 RECOMPUTE)]
 
     def _cover_in(self, mod: torch.nn.Module, unit: int, names: list[str], places: list[tuple[dict, str]],
-                  below: frozenset, slots: list, buffer_names: Sequence[str]) -> bool:
+                  below: frozenset, slots: list) -> bool:
         """In a forward recomputed during backward: unless a module recomputed around this one
-        in this backward put them in already (``mod`` in its subtree), put the parameters
-        ``names`` (those outside the units in ``mod``'s subtree, and its buffers ``buffer_names``,
-        ``unit`` `OUTSIDE`; else all of unit ``unit``'s, its module not running around ``mod``)
-        of the call whose backward this is (`_source`: found from the graph) in place, until
-        ``mod`` returns (`_cover_out`): views of the call's buffer, or at stage 3 a unit gathered
-        again; the call's buffers (their values after its forward, as torch's checkpointing
-        recomputes a module on its buffers as they are then). The unit hooks of stages 1-2 call
-        it for the unit's own module too (`ModuleBinding._enter_hook`). Whether ``mod`` runs on
-        the call's tensors now."""
+        in this backward put them in already (``mod`` in its subtree), put unit ``unit``'s
+        parameters ``names`` (its module not running around ``mod``) of the call whose backward
+        this is (`_source`: found from the graph) in place, until ``mod`` returns
+        (`_cover_out`): views of the call's buffer, or at stage 3 the unit gathered again. The
+        unit hooks of stages 1-2 call it for the unit's own module too
+        (`ModuleBinding._enter_hook`). Whether ``mod`` runs on the call's tensors now."""
         me = threading.get_ident()
         stack = self._covering.get(me)
         task = graph_task()
@@ -231,21 +272,13 @@ class Recompute:
             return False
         self.occupy()
         try:
-            if unit != OUTSIDE and self.stage == 3:
+            if self.stage == 3:
                 source.enter(unit, slots)
                 undo: Any = (source, unit)
-            elif not buffer_names:
+            else:
                 views = source.views(names)
                 self._at_rest(mod, names, places, views)
                 undo = swap_in([(entries, attr, views[n]) for n, (entries, attr) in zip(names, places)])
-            else:  # (a buffer the call does not carry keeps the module's own)
-                views = source.views(names) if names else {}
-                self._at_rest(mod, names, places, views)
-                views.update({n: source.buffers[n] for n in buffer_names if n in source.buffers})
-                undo = swap_in([(entries, attr, views[n]) for n, (entries, attr)
-                                in zip(itertools.chain(names, buffer_names), places) if n in views])
-                undo = _Buffers(undo, [(entries, attr, n, views[n]) for n, (entries, attr)
-                                       in zip(buffer_names, places[len(names):]) if n in views], source.buffers)
         except BaseException:
             self.release()
             raise
@@ -253,6 +286,81 @@ class Recompute:
         if key in self._above_some:
             self._run(key, 1)  # the hooks below it are asleep
         return True
+
+    def _swap_whole(self, params: bool = True) -> bool:
+        """In a forward recomputed during backward, at its first module that may read them: put
+        the parameters outside the units and the buffers of the call whose backward this is
+        (`_source`) in the module's entries, until that backward ends (`_Whole`), as
+        ``functional_call`` puts a call's in for the call: the leaves of `zfunc.autograd.rebind.Rebind`
+        over the call's compute buffer, the call's buffers as its forward left them. Every later
+        recomputation in the backward, whichever module runs it, reads them there: no hook on a
+        module of theirs. At stage 3 the parameters (the root, gathered again) go in only with
+        ``params`` (a recomputed module holds one of them: its root recompute hook), the buffers
+        at once: a backward that recomputes only units does not gather the root again. Whether
+        what was asked is in now (nothing is put in in a backward that runs through none of the
+        calls, plain torch on the module in another thread, nor inside a zfunc forward call).
+
+        Raises:
+            RuntimeError: another thread runs the module for a zfunc call now (`occupy`), or
+                another binding's call has its tensors in the module (`_at_rest`).
+        """
+        slots, bufs = self._outside
+        if not slots and not bufs:
+            return True
+        task = graph_task()
+        if task == -1 or self.flight.current() is not None:
+            return False
+        source = self._source(task)
+        if source is None:
+            return False
+        me = threading.get_ident()
+        params = params or self.stage != 3  # (at stages 0-2 views of the call's buffer: no cost to put in)
+        with self._users_lock:
+            done = [has for thread, call, has in self._wholes.values() if thread == me and call is source]
+        if done:
+            if any(done) or not params or not slots:
+                return True
+            bufs = []  # (in already: the parameters now)
+        elif not params:
+            slots = []
+        names = [n for n, _, _ in slots]
+        places = [(owner._parameters, attr) for _, owner, attr in slots]
+        self.occupy()
+        try:
+            views = source.whole(list(dict.fromkeys(names))) if names else {}
+            self._at_rest(self.module, names, places, views)
+            given = source.buffers
+            kept = [(owner._buffers, attr, n) for n, owner, attr in bufs if n in given]
+            swapped = swap_in(itertools.chain(((entries, attr, views[n]) for n, (entries, attr) in zip(names, places)),
+                                              ((entries, attr, given[n]) for entries, attr, n in kept)))
+        except BaseException:
+            self.release()
+            raise
+        whole = _Whole(self, me, source, swapped, [(entries, attr, n, given[n]) for entries, attr, n in kept])
+        with self._users_lock:
+            self._wholes[id(whole)] = (me, source, params)
+            self.flight.params_in = self.flight.params_in or bool(slots)
+            self.flight.any_whole = True
+        calls.at_backward_end(whole)
+        return True
+
+    def _unswap_whole(self, whole: _Whole) -> None:
+        """The backward `_swap_whole` put ``whole`` in for ends (or raised): the module's entries
+        hold what they held before, and a buffer the recomputations reassigned is the call's."""
+        with self._users_lock:
+            self._wholes.pop(id(whole), None)
+            self.flight.params_in = any(has for _, _, has in self._wholes.values())
+            self.flight.any_whole = bool(self._wholes)
+        try:
+            for entries, attr, name, tensor in whole.put:
+                now = entries[attr]
+                if now is not tensor:
+                    whole.source.buffers[name] = now
+            put_back(whole.swapped)
+        finally:
+            self.release(whole.thread)
+        if self.flight.backwards:  # (a nested backward's end: its outer one may recompute again)
+            self._arm()
 
     def _post_on(self, mod: torch.nn.Module) -> None:
         """A recompute pre-hook covered (`_cover_in` pushed a cover of ``mod``): the post-hook
@@ -281,9 +389,6 @@ class Recompute:
         try:
             if type(undo) is tuple:  # a unit gathered again (stage 3)
                 undo[0].leave(undo[1])
-            elif type(undo) is _Buffers:
-                undo.keep()
-                put_back(undo.swapped)
             else:
                 put_back(undo)
         finally:
@@ -409,23 +514,40 @@ class Recompute:
             self.reads.watch(graph_task())
 
     def _arm(self) -> None:
-        """A backward reached a call's outputs: the recompute hooks go on the modules when the
-        first of them is called while a backward runs (a recomputation), from one pre-hook in
-        torch's global table until then (`_first_recompute`), so a backward that recomputes
-        nothing puts none on and takes none off. It leaves the table when the hooks go on
-        (`attach`), when no backward runs through the calls any more (`_disarm`), or with the
-        hooks once no call's graph lives. In a process where ``torch.compile`` has run, the
-        hooks go on at once instead, as before any backward: compiled code there (this model's
-        blocks, compiled in place or wrapped, or any other module, in any thread) would trace the
-        global hook, warn and recompile while it is in the table."""
+        """A backward reached a call's outputs: what the call puts in for a recomputation goes in
+        when the first module that may read it is called while a backward runs (`_recomputing`),
+        from one pre-hook in torch's global table until then (`_first_recompute`), so a backward
+        that recomputes nothing puts nothing in and takes nothing off. It leaves the table then,
+        when no backward runs through the calls any more (`_disarm`), or with the hooks once no
+        call's graph lives. In a process where ``torch.compile`` has run, a pre-hook on each
+        module that may read the call's tensors does it instead (`TRIGGER`, on at once): compiled
+        code there (this model's blocks, compiled in place or wrapped, or any other module, in any
+        thread) would trace the global hook, warn and recompile while it is in the table."""
         if compiled_anything():
             self.attach(RECOMPUTE)
+            self.attach(TRIGGER)
             return
         with self._users_lock:
-            if RECOMPUTE in self._attached or self._armed or self._removed or not self._recompute_pres:
+            if self._armed or self._removed or not (
+                    self._triggers or self._recompute_pres and RECOMPUTE not in self._attached):
                 return
             self._armed.append(torch.nn.modules.module.register_module_forward_pre_hook(
                 _first_recompute(weakref.ref(self))))
+
+    def _recomputing(self, params: bool = True) -> None:
+        """A module that may read the call's tensors is called while a backward through a call's
+        outputs runs (a recomputation): the parameters outside the units and the buffers go in
+        for the rest of the backward (`_swap_whole`), and the unit recompute hooks on their
+        modules (`attach`; ``params``: the module holds some of those parameters, `_swap_whole`);
+        once all of it is in the global pre-hook of `_arm` leaves the table,
+        unless another backward through the calls runs (another thread's): its first
+        recomputation is the hook's too (and is refused while this one's tensors are in)."""
+        if self._recompute_pres:
+            self.attach(RECOMPUTE)
+        if self._swap_whole(params):
+            with self._users_lock:
+                while self._armed and self.flight.tasks() <= 1:  # (another backward's recomputations need it)
+                    self._armed.pop().remove()
 
     def _forget_source(self) -> None:
         """(Under the lock.) `_source`'s kept answer may be stale: found afresh next time."""
@@ -435,22 +557,30 @@ class Recompute:
 
 def _first_recompute(ref: weakref.ref) -> Any:
     """The global forward pre-hook of an armed binding (`Recompute._arm`): at the first call of
-    one of its hooked modules while a backward runs, it puts the recompute hooks on every module
-    (which takes it out of the table) and runs that module's own, whose place in this call's hooks
-    torch fixed before this one ran (global pre-hooks run before a module's own, as the recompute
-    pre-hook goes before the user's). Any other call passes through. Inside compiled code it only
-    runs the module's hook (tracing writes no hook table)."""
+    one of its modules that may read the call's tensors while a backward runs, it puts them in
+    (`Recompute._recomputing`, which takes it out of the table) and runs that module's own unit
+    recompute hook, whose place in this call's hooks torch fixed before this one ran (global
+    pre-hooks run before a module's own, as the recompute pre-hook goes before the user's). Any
+    other call passes through (and a module whose hooks are on already runs its own). Inside
+    compiled code it only runs the module's hook (tracing writes no hook table)."""
 
     def hook(mod: torch.nn.Module, args: Any) -> None:
         b = ref()
         if b is None or b.flight.backwards == 0:
             return
         found = b._recompute_pres.get(id(mod))
-        if found is None or found[0] is not mod:
+        if found is not None and found[0] is not mod:
+            found = None
+        trigger = b._triggers.get(id(mod))
+        if trigger is not None and trigger[0] is not mod:
+            trigger = None
+        if found is None and trigger is None:
             return
+        own = found is not None and RECOMPUTE not in b._attached  # (else it runs from the module's table)
         if not torch.compiler.is_compiling():
-            b.attach(RECOMPUTE)
-        found[1](mod, args)
+            b._recomputing(trigger is not None and trigger[1])
+        if own:
+            found[1](mod, args)
     return hook
 
 
@@ -473,13 +603,14 @@ def _refuse_compiled(binding: Recompute, mod: torch.nn.Module) -> None:
             "unit (persist_threshold=0 at stage 3) and no buffers in it")
 
 
-def _both(hooks: list) -> Any:
+def _all(hooks: list) -> Any:
     """One hook that runs ``hooks`` in order."""
-    first, second = hooks
+    if len(hooks) == 1:
+        return hooks[0]
 
     def hook(*args: Any) -> None:
-        first(*args)
-        second(*args)
+        for h in hooks:
+            h(*args)
     return hook
 
 
@@ -494,19 +625,24 @@ def _above(module: torch.nn.Module) -> dict[int, set[int]]:
     return out
 
 
-class _Buffers:
-    """What a covering swap that put in a call's buffers undoes: ``swapped`` (for `put_back`),
-    and the buffers it put, whose entries a recomputation may reassign (``self.n = self.n + 1``
-    rather than in place): `keep` hands such a new value to the call's ``buffers``, as the
-    forward's end does for the call's own forward."""
+class _Whole:
+    """What `Recompute._swap_whole` put in for a backward, undone at its end: autograd runs it as
+    the backward's final callback, or, when the backward raises and autograd drops its callbacks
+    unrun, as it lets it go (`Recompute._unswap_whole`). ``swapped``: for `put_back`; ``put``: the
+    call's buffers put in, whose entries a recomputation may reassign (``self.n = self.n + 1``
+    rather than in place), handed to the call as the forward's end does for its own forward."""
 
-    __slots__ = ("swapped", "put", "buffers")
+    __slots__ = ("binding", "thread", "source", "swapped", "put")
 
-    def __init__(self, swapped: list, put: list[tuple[dict, str, str, torch.Tensor]], buffers: dict[str, torch.Tensor]):
-        self.swapped, self.put, self.buffers = swapped, put, buffers
+    def __init__(self, binding: Recompute, thread: int, source: Any, swapped: list,
+                 put: list[tuple[dict, str, str, torch.Tensor]]):
+        self.binding: Recompute | None = binding
+        self.thread, self.source, self.swapped, self.put = thread, source, swapped, put
 
-    def keep(self) -> None:
-        for entries, attr, name, tensor in self.put:
-            now = entries[attr]
-            if now is not tensor:
-                self.buffers[name] = now
+    def __call__(self) -> None:
+        binding, self.binding = self.binding, None
+        if binding is not None:
+            binding._unswap_whole(self)
+
+    def __del__(self) -> None:
+        self()
