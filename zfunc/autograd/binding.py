@@ -159,7 +159,8 @@ class ModuleBinding(Routing, Recompute):
         self._ids = {(phase, pre): -(8 * id(self) + 2 * phase + pre)
                      for phase in (_CALL, _RECOMPUTE, _TRIGGER) for pre in (False, True)}
         # Until the first module of a backward runs (a recomputation): the one global pre-hook that
-        # puts the recompute hooks on then (`arm`); a backward that recomputes nothing never has them.
+        # puts the call's tensors in and the unit recompute hooks on then (`Recompute._arm`); a
+        # backward that recomputes nothing never has them.
         self._armed: list[RemovableHandle] = []
         # id(module) -> module: those a recompute pre-hook put the post-hook on, at the first run
         # it covered (`Recompute._post_on`); they leave with the call hooks

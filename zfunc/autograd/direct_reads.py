@@ -1,10 +1,10 @@
 """A parameter that a forward recomputed in backward read straight from the module, refused.
 
 Activation checkpointing runs part of the model again during backward, outside zfunc's call;
-the recompute hooks (`zfunc.autograd.binding`) put the call's parameters in a module's entries
-(its whole subtree's) while that module runs. A segment that reads a parameter outside every
-hooked module's forward (``h @ emb.weight.T`` in a checkpointed function of its own) gets the
-module's own tensor instead. Under reentrant checkpointing the segment's own backward then adds
+the recompute binding (`zfunc.autograd.recompute`) puts the call's parameters in the module's
+entries at the first module the backward recomputes, until the backward ends. A segment that
+reads a parameter before that (``h @ emb.weight.T`` alone in a checkpointed function of its own)
+gets the module's own tensor instead. Under reentrant checkpointing the segment's own backward then adds
 that part of the gradient to the module's own ``.grad``, where nothing trains on it:
 `DirectReads` sees it when the backward ends and raises, naming the parameters. (Under
 non-reentrant checkpointing the same read computes with the module's own values and no gradient
@@ -83,9 +83,10 @@ class DirectReads:
                 f"a backward through a zfunc call put gradients in the .grad of the model's own {stray[:3]}"
                 f"{' and more' if len(stray) > 3 else ''}, which zfunc never trains on: the module's own "
                 "tensors were used outside zfunc's call. Either a reentrant activation-checkpointed segment read a "
-                "parameter outside the forward of every module holding it (such as h @ emb.weight.T in the "
-                "checkpointed function: zfunc puts a call's parameters in a module's entries while that module, "
-                "or one above it, runs): read it inside such a module's forward, or keep it "
+                "parameter before any module of the model was recomputed in this backward (such as h @ emb.weight.T "
+                "alone in the checkpointed function: zfunc puts a call's parameters in the module's entries at the "
+                "first module a backward recomputes; at stage 3 a root parameter at the first module holding part "
+                "of the root): read it inside a module's forward, or keep it "
                 "out of the segment (use_reentrant=False does not help: the recomputation would compute with the "
                 "module's own values); or the loss computed with the original module's parameters (a penalty "
                 "over model.parameters()): use the bound model loss_fn receives (its named_parameters()), or "

@@ -65,7 +65,8 @@ class Rebind:
         self._spare: dict[int, dict[str, torch.Tensor]] = {}  # by backward: earlier backwards' leaves not handed out yet
         self._since = 0  # elements handed out since the last collect
         self._hooked: dict[int, list[Any]] = {}  # by backward: the handles of `whole`'s bucket hooks
-        self._ready: int | None = None  # the bucket whose first parameter's gradient came last (`_bucket_in`)
+        self._ready: dict[int, int] = {}  # by backward: the bucket whose first parameter's gradient came last (`_bucket_in`)
+        self._fired: dict[int, set[int]] = {}  # by backward: the buckets whose first parameter has a gradient
 
     def replaced(self) -> bool:
         """Whether the call's compute buffer was given away since its forward (a donating step
@@ -108,10 +109,12 @@ class Rebind:
         """Parameters ``names`` (in the module's order) for every recomputation of the backward
         running now, handed out at once (`zfunc.autograd.recompute.Recompute._swap_whole`). Under
         reentrant checkpointing each bucket's gradients are handed to ``take`` once the first of
-        its parameters in ``names`` has one: the segments run their backwards last to first, so
-        that one's gradient comes last, and about a bucket waits outside the accumulator. What
-        comes later, or in another order, is handed over when the collector runs or the backward
-        ends, as `views`' are."""
+        its parameters in ``names`` has one and the next bucket's first one has too: the segments
+        run their backwards last to first, so that one's gradient comes last, and about two
+        buckets wait outside the accumulator (from the second backward on, and only while no
+        backward saw a bucket's first parameter differentiated twice, `Spares.early`). What comes
+        later, or in another order, is handed over when the collector runs or the backward ends,
+        as `views`' are."""
         task = graph_task()
         out = self.views(names, whole=True)
         made = self._made.get(task)
@@ -123,7 +126,7 @@ class Rebind:
             if n in made:
                 first.setdefault(bucket[n], n)
         ref = weakref.ref(self)
-        self._hooked[task] = [made[n].register_post_accumulate_grad_hook(functools.partial(_bucket_in, ref, made, k))
+        self._hooked[task] = [made[n].register_post_accumulate_grad_hook(functools.partial(_bucket_in, ref, task, k))
                               for k, n in first.items()]
         return out
 
@@ -178,6 +181,10 @@ def _backward_ended(ref: weakref.ref, task: int) -> None:
     if rebind is not None:
         for handle in rebind._hooked.pop(task, ()):
             handle.remove()
+        rebind._ready.pop(task, None)
+        fired = rebind._fired.pop(task, None)
+        if fired is not None and rebind.spares is not None and rebind.spares.early is None:
+            rebind.spares.early = True  # (a backward with no bucket's first parameter differentiated twice)
         made = rebind._made.pop(task, None)
         spare = rebind._spare.pop(task, None)
         if made is not None:
@@ -188,15 +195,23 @@ def _backward_ended(ref: weakref.ref, task: int) -> None:
                 rebind.settle()
 
 
-def _bucket_in(ref: weakref.ref, made: dict[str, torch.Tensor], k: int, leaf: torch.Tensor) -> None:
+def _bucket_in(ref: weakref.ref, task: int, k: int, leaf: torch.Tensor) -> None:
     """The first parameter of bucket ``k`` in the module's order has its gradient (`Rebind.whole`):
     the gradients of the bucket whose first one came before go to the call's batch taker, and
     bucket ``k``'s wait for the next (a parameter used in the segment and outside it gets its other
     part from the call's graph meanwhile, before its bucket can start; the collector takes what
     is left)."""
     rebind = ref()
-    if rebind is not None:
-        earlier, rebind._ready = rebind._ready, k
+    made = None if rebind is None else rebind._made.get(task)
+    if made is None:
+        return
+    fired = rebind._fired.setdefault(task, set())
+    spares = rebind.spares
+    if k in fired and spares is not None:  # a segment applied again (a block shared by two): not bucket by bucket
+        spares.early = False
+    fired.add(k)
+    if spares is not None and spares.early:
+        earlier, rebind._ready[task] = rebind._ready.get(task), k
         if earlier is not None and earlier != k:
             rebind.collect({n: made[n] for n in rebind.plan.names[earlier] if n in made})
 
@@ -226,9 +241,14 @@ class Spares:
         0
     """
 
-    __slots__ = ("_by", "__weakref__")
+    __slots__ = ("_by", "early", "__weakref__")
 
     def __init__(self) -> None:
+        # Whether `Rebind.whole` hands reentrant segments' gradients over bucket by bucket: not
+        # before a backward showed no bucket's first parameter differentiated twice (None: none
+        # ran yet; False for good once one was, a block applied in two segments, whose second
+        # part would come after its bucket started). Until then at the collector and the end.
+        self.early: bool | None = None
         # id(buffer) -> (a weak reference to it, where its memory is, the leaf sets)
         self._by: dict[int, tuple[weakref.ref, tuple, list[dict[str, torch.Tensor]]]] = {}
 

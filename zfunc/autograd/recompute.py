@@ -326,6 +326,7 @@ class Recompute:
         names = [n for n, _, _ in slots]
         places = [(owner._parameters, attr) for _, owner, attr in slots]
         self.occupy()
+        swapped: list = []
         try:
             views = source.whole(list(dict.fromkeys(names))) if names else {}
             self._at_rest(self.module, names, places, views)
@@ -333,11 +334,12 @@ class Recompute:
             kept = [(owner._buffers, attr, n) for n, owner, attr in bufs if n in given]
             swapped = swap_in(itertools.chain(((entries, attr, views[n]) for n, (entries, attr) in zip(names, places)),
                                               ((entries, attr, given[n]) for entries, attr, n in kept)))
+            whole = _Whole(self, me, source, swapped, [(entries, attr, n, given[n]) for entries, attr, n in kept])
         except BaseException:
+            put_back(swapped)
             self.release()
             raise
-        whole = _Whole(self, me, source, swapped, [(entries, attr, n, given[n]) for entries, attr, n in kept])
-        with self._users_lock:
+        with self._users_lock:  # (from here on `whole` undoes it, when autograd runs it or lets it go)
             self._wholes[id(whole)] = (me, source, params)
             self.flight.params_in = self.flight.params_in or bool(slots)
             self.flight.any_whole = True
