@@ -35,8 +35,8 @@ class Rebind:
     last collect (`views`, per recomputed module), bucket by bucket as segments finish (`whole`,
     every parameter for a backward at once), when the collector runs, and when the backward ends.
     So about a bucket or two of gradient waits outside the accumulator, and buckets still
-    complete, and start their reduce, one after another during backward. The call's graph keeps the rebind alive, and nothing else:
-    it exists exactly while the call's backward can still run.
+    complete, and start their reduce, one after another during backward. The call's graph keeps
+    the rebind alive, and nothing else: it exists exactly while the call's backward can still run.
 
     Examples:
         >>> import torch
@@ -74,8 +74,8 @@ class Rebind:
         return self.compute.numel() == 0
 
     def views(self, names: list[str], whole: bool = False) -> dict[str, torch.Tensor]:
-        """Parameters ``names`` (trained or frozen) as the call had them (``whole``: every one
-        for the backward at once, `whole`: none collects what earlier ones hold)."""
+        """Parameters ``names`` (trained or frozen) as the call had them. With ``whole`` (for
+        `whole`, every parameter for the backward at once) handing them out collects nothing."""
         task = graph_task()
         made = self._made.get(task)
         if made is None:
