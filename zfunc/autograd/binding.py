@@ -218,7 +218,7 @@ class ModuleBinding(Routing, Recompute):
         self._last_source: tuple[int, weakref.ref] | None = None  # (graph task, its call): `_source`
         self._generation = 0  # counts what can change `_source`'s answer (a call added, a backward reaching one)
         # By thread: the recomputed modules running now, innermost last, each with what it puts in
-        # (`OUTSIDE` or a unit), its subtree, graph task and what to undo (None: an enclosing one's
+        # (a unit), its subtree, graph task and what to undo (None: an enclosing one's
         # covers it), `_cover_in`; and each unit's index, module and slots.
         self._covering: dict[int, list[tuple[int, int, frozenset, int, Any]]] = {}
         self._unit_modules: list[tuple[int, torch.nn.Module, list[tuple[str, torch.nn.Module, str]]]] = []

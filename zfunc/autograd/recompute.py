@@ -27,7 +27,6 @@ from zfunc.autograd.swap import put_back, put_post, swap_in
 __all__ = ["Recompute", "CALL", "RECOMPUTE", "TRIGGER"]
 
 CALL, RECOMPUTE, TRIGGER = 0, 1, 2  # the phases of `zfunc.autograd.binding.ModuleBinding.attach`
-OUTSIDE = -1  # what `Recompute._cover_in` puts in: the parameters outside the units (else a unit's index)
 
 
 class Recompute:
