@@ -226,7 +226,7 @@ class ModuleBinding(Routing, Recompute):
         # (`Recompute._run`): the recompute hooks below it are asleep
         self._running: dict[int, int] = {}
         self._runners: dict[int, dict[int, int]] = {}
-        # What `Recompute._swap_whole` put in for the backwards running now, by the id of its
+        # What `BackwardSwap._swap_whole` put in for the backwards running now, by the id of its
         # undoing (`_Whole`, which autograd holds, not the binding): its thread, call, and whether
         # the parameters went in (at stage 3 the buffers may go in first)
         self._wholes: dict[int, tuple[int, Any, bool]] = {}

@@ -54,7 +54,7 @@ class InFlight:
         self.covered = 0
         self.any_covered = False
         # A backward's recomputations have the buffers (``any_whole``) and the parameters outside
-        # the units (``params_in``) in the module now (`zfunc.autograd.recompute.Recompute._swap_whole`)
+        # the units (``params_in``) in the module now (`zfunc.autograd.backward_swap.BackwardSwap._swap_whole`)
         self.any_whole = False
         self.params_in = False
         self._running: dict[int, list[Any]] = {}  # thread -> its calls, innermost last

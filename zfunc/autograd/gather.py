@@ -308,7 +308,7 @@ class UnitGatherer:
 
     def whole(self, names: list[str]) -> dict[str, torch.Tensor]:
         """`views` for every recomputation of a backward at once
-        (`zfunc.autograd.recompute.Recompute._swap_whole`)."""
+        (`zfunc.autograd.backward_swap.BackwardSwap._swap_whole`)."""
         return self.views(names)
 
     def enter(self, i: int, slots: list[tuple[str, torch.nn.Module, str]]) -> None:

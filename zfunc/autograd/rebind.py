@@ -107,7 +107,7 @@ class Rebind:
 
     def whole(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Parameters ``names`` (in the module's order) for every recomputation of the backward
-        running now, handed out at once (`zfunc.autograd.recompute.Recompute._swap_whole`). Under
+        running now, handed out at once (`zfunc.autograd.backward_swap.BackwardSwap._swap_whole`). Under
         reentrant checkpointing each bucket's gradients are handed to ``take`` once the first of
         its parameters in ``names`` has one and the next bucket's first one has too: the segments
         run their backwards last to first, so that one's gradient comes last, and about two

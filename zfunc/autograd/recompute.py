@@ -2,7 +2,7 @@
 outside zfunc's call, runs on the parameters of the call whose backward it is. A mixin of
 `zfunc.autograd.binding.ModuleBinding`. The parameters outside the units (every one at stages
 0-2 without units) and the buffers go in the module's entries at the first module a backward
-through a call's outputs recomputes, for the rest of that backward (`Recompute._swap_whole`,
+through a call's outputs recomputes, for the rest of that backward (`zfunc.autograd.backward_swap`,
 from one global pre-hook armed until then, `Recompute._arm`): the recomputed modules run with no
 hook of zfunc's. A unit's parameters go in per module, by a forward pre-hook on each module
 inside a unit's module (`Recompute._install_recompute_hooks`; a post-hook on a module whose
@@ -12,7 +12,6 @@ while one runs. The call is found from the graph (`Recompute._source`).
 
 from __future__ import annotations
 
-import itertools
 import threading
 import weakref
 from typing import Any
@@ -21,6 +20,7 @@ import torch
 
 from zfunc._probes import compiled_anything, graph_task
 from zfunc.autograd import calls
+from zfunc.autograd.backward_swap import BackwardSwap, Outside
 from zfunc.autograd.direct_reads import DirectReads
 from zfunc.autograd.swap import put_back, put_post, swap_in
 
@@ -29,7 +29,7 @@ __all__ = ["Recompute", "CALL", "RECOMPUTE", "TRIGGER"]
 CALL, RECOMPUTE, TRIGGER = 0, 1, 2  # the phases of `zfunc.autograd.binding.ModuleBinding.attach`
 
 
-class Recompute:
+class Recompute(BackwardSwap):
     """The recompute hooks of a binding (``module``, ``unit_params``, ``flight``, ``reads``,
     ``_specs``, ``_slots``, ``_covering``, ``_watch``, ``_members``, the ``_users_lock``,
     ``occupy``/``release``/``attach`` are the binding's)."""
@@ -58,8 +58,6 @@ class Recompute:
     _recompute_post_key: int
     _posted: dict[int, torch.nn.Module]
     _static_posts: set[int]
-    _wholes: dict[int, tuple[int, Any, bool]]
-    _outside: tuple[list, list]
     _triggers: dict[int, tuple[torch.nn.Module, bool]]
 
     def _install_recompute_hooks(self) -> None:
@@ -183,7 +181,7 @@ class Recompute:
         # What lies outside the units (every parameter at stages 0-2 without units, the root's
         # at stage 3) and the buffers go in all at once, for the rest of the backward, when the
         # first module whose forward may read them is recomputed (`_swap_whole`).
-        self._outside = (slots, buffers)
+        self._outside = Outside.of(slots, buffers)
         # (module, whether its subtree holds one of the parameters): the modules whose call in a
         # backward puts them in, each unit's module too (a read off another module inside it)
         readers_of = {}
@@ -285,83 +283,6 @@ class Recompute:
         if key in self._above_some:
             self._run(key, 1)  # the hooks below it are asleep
         return True
-
-    def _swap_whole(self, params: bool = True) -> bool:
-        """In a forward recomputed during backward, at its first module that may read them: put
-        the parameters outside the units and the buffers of the call whose backward this is
-        (`_source`) in the module's entries, until that backward ends (`_Whole`), as
-        ``functional_call`` puts a call's in for the call: the leaves of `zfunc.autograd.rebind.Rebind`
-        over the call's compute buffer, the call's buffers as its forward left them. Every later
-        recomputation in the backward, whichever module runs it, reads them there: no hook on a
-        module of theirs. At stage 3 the parameters (the root, gathered again) go in only with
-        ``params`` (a recomputed module holds one of them: its root recompute hook), the buffers
-        at once: a backward that recomputes only units does not gather the root again. Whether
-        what was asked is in now (nothing is put in in a backward that runs through none of the
-        calls, plain torch on the module in another thread, nor inside a zfunc forward call).
-
-        Raises:
-            RuntimeError: another thread runs the module for a zfunc call now (`occupy`), or
-                another binding's call has its tensors in the module (`_at_rest`).
-        """
-        slots, bufs = self._outside
-        if not slots and not bufs:
-            return True
-        task = graph_task()
-        if task == -1 or self.flight.current() is not None:
-            return False
-        source = self._source(task)
-        if source is None:
-            return False
-        me = threading.get_ident()
-        params = params or self.stage != 3  # (at stages 0-2 views of the call's buffer: no cost to put in)
-        with self._users_lock:
-            done = [has for thread, call, has in self._wholes.values() if thread == me and call is source]
-        if done:
-            if any(done) or not params or not slots:
-                return True
-            bufs = []  # (in already: the parameters now)
-        elif not params:
-            slots = []
-        names = [n for n, _, _ in slots]
-        places = [(owner._parameters, attr) for _, owner, attr in slots]
-        self.occupy()
-        swapped: list = []
-        try:
-            views = source.whole(list(dict.fromkeys(names))) if names else {}
-            self._at_rest(self.module, names, places, views)
-            given = source.buffers
-            kept = [(owner._buffers, attr, n) for n, owner, attr in bufs if n in given]
-            swapped = swap_in(itertools.chain(((entries, attr, views[n]) for n, (entries, attr) in zip(names, places)),
-                                              ((entries, attr, given[n]) for entries, attr, n in kept)))
-            whole = _Whole(self, me, source, swapped, [(entries, attr, n, given[n]) for entries, attr, n in kept])
-        except BaseException:
-            put_back(swapped)
-            self.release()
-            raise
-        with self._users_lock:  # (from here on `whole` undoes it, when autograd runs it or lets it go)
-            self._wholes[id(whole)] = (me, source, params)
-            self.flight.params_in = self.flight.params_in or bool(slots)
-            self.flight.any_whole = True
-        calls.at_backward_end(whole)
-        return True
-
-    def _unswap_whole(self, whole: _Whole) -> None:
-        """The backward `_swap_whole` put ``whole`` in for ends (or raised): the module's entries
-        hold what they held before, and a buffer the recomputations reassigned is the call's."""
-        with self._users_lock:
-            self._wholes.pop(id(whole), None)
-            self.flight.params_in = any(has for _, _, has in self._wholes.values())
-            self.flight.any_whole = bool(self._wholes)
-        try:
-            for entries, attr, name, tensor in whole.put:
-                now = entries[attr]
-                if now is not tensor:
-                    whole.source.buffers[name] = now
-            put_back(whole.swapped)
-        finally:
-            self.release(whole.thread)
-        if self.flight.backwards:  # (a nested backward's end: its outer one may recompute again)
-            self._arm()
 
     def _post_on(self, mod: torch.nn.Module) -> None:
         """A recompute pre-hook covered (`_cover_in` pushed a cover of ``mod``): the post-hook
@@ -624,26 +545,3 @@ def _above(module: torch.nn.Module) -> dict[int, set[int]]:
         parts = name.split(".") if name else []
         ids.update(id(modules[".".join(parts[:k])]) for k in range(len(parts)))
     return out
-
-
-class _Whole:
-    """What `Recompute._swap_whole` put in for a backward, undone at its end: autograd runs it as
-    the backward's final callback, or, when the backward raises and autograd drops its callbacks
-    unrun, as it lets it go (`Recompute._unswap_whole`). ``swapped``: for `put_back`; ``put``: the
-    call's buffers put in, whose entries a recomputation may reassign (``self.n = self.n + 1``
-    rather than in place), handed to the call as the forward's end does for its own forward."""
-
-    __slots__ = ("binding", "thread", "source", "swapped", "put")
-
-    def __init__(self, binding: Recompute, thread: int, source: Any, swapped: list,
-                 put: list[tuple[dict, str, str, torch.Tensor]]):
-        self.binding: Recompute | None = binding
-        self.thread, self.source, self.swapped, self.put = thread, source, swapped, put
-
-    def __call__(self) -> None:
-        binding, self.binding = self.binding, None
-        if binding is not None:
-            binding._unswap_whole(self)
-
-    def __del__(self) -> None:
-        self()
