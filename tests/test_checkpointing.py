@@ -1583,3 +1583,85 @@ def test_a_block_shared_by_two_reentrant_segments_trains_as_torch():
             for got, want, early in run_ranks(_shared_twice, 2, shared, stage):
                 assert early is (not shared), (stage, shared, early)
                 assert max((a - b).abs().max().item() for a, b in zip(got, want)) < 1e-6, (stage, shared)
+
+
+class _HookedStem(torch.nn.Module):
+    """A stem, two checkpointed blocks and a head; ``hook`` (when set) goes on the stem's output,
+    so it runs once backward has recomputed both blocks."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.stem = torch.nn.Linear(4, 4)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+        self.head = torch.nn.Linear(4, 1)
+        self.reentrant, self.hook = reentrant, None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        if self.hook is not None and x.requires_grad:
+            x.register_hook(self.hook)
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(lambda t, b=block: torch.tanh(b(t)), x, use_reentrant=self.reentrant)
+        return self.head(x)
+
+
+def _squares(model: Any, x: torch.Tensor) -> torch.Tensor:
+    return model(x).pow(2).sum()
+
+
+def _step_in_a_hook(rank: int, reentrant: bool, where: str, stage: int, units: list | None) -> tuple:
+    """One SGD step of a backward_step, and one of a second backward_step of the same state that
+    a gradient hook of the first one's backward makes (on another batch); with the plain-torch
+    steps of the mean loss over the ranks, for both."""
+    torch.manual_seed(0)
+    model = _HookedStem(reentrant)
+    reference = {n: p.detach().clone() for n, p in model.named_parameters()}
+    world = torch.distributed.get_world_size()
+    batches = [torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    mine = batches[rank]
+    cfg = zfunc.Config(stage=stage, optimizer=zfunc.sgd(lr=1.0), persist_threshold=0, units=units)
+    state = zfunc.init(model, cfg)
+    inner: dict[str, Any] = {}
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if not inner:
+            inner["busy"] = True  # (the second call's own backward runs this hook too)
+            with torch.enable_grad():  # (a gradient hook runs under no_grad)
+                inner["state"] = zfunc.backward_step(state, _squares, mine[1])[0]
+        return grad
+
+    def outer_loss(bound: Any, x: torch.Tensor) -> torch.Tensor:
+        out = bound(x)
+        if where == "output":
+            out.register_hook(hook)
+        return out.pow(2).sum()
+
+    model.hook = hook if where == "stem" else None
+    outer, _ = zfunc.backward_step(state, outer_loss, mine[0])
+    model.hook = None
+    got, want = [], []
+    for k, st in ((0, outer), (1, inner["state"])):
+        plain = _HookedStem(reentrant)
+        plain.load_state_dict(reference)
+        (sum(_squares(plain, b[k]) for b in batches) / world).backward()
+        want.append({n: (p - p.grad).detach() for n, p in plain.named_parameters()})
+        got.append(zfunc.full_params(zfunc.apply_step(st)))
+    return got, want
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_step_a_gradient_hook_makes_during_a_checkpointed_backward_trains_as_torch(reentrant):
+    """A ``backward_step`` that a gradient hook makes during another ``backward_step``'s backward
+    of the same state (on the model's output: before any block is recomputed; on the stem's
+    output: once both blocks were recomputed on the first call's tensors) is a call of its own:
+    its forward is not taken for a recomputation of the first call, its backward recomputes its
+    blocks on its own tensors and gradients (nested inside the first backward's), and the first
+    backward goes on with its own. Both SGD steps equal plain torch's, on two ranks, at stages
+    0, 2 and 3, with and without units."""
+    for where in ("output", "stem"):
+        for stage, units in ((0, None), (2, None), (2, ["blocks.0", "blocks.1"]), (3, None),
+                             (3, ["blocks.0", "blocks.1"])):
+            for got, want in run_ranks(_step_in_a_hook, 2, reentrant, where, stage, units):
+                for k in (0, 1):
+                    worst = max((got[k][n] - want[k][n]).abs().max().item() for n in want[k])
+                    assert worst < 1e-6, (where, stage, units, ("outer", "inner")[k], worst)

@@ -12,13 +12,26 @@ from typing import Any
 import torch
 
 __all__ = ["graph_task", "in_backward", "in_transform", "hooks_active", "plain", "is_transformed",
-           "unwrap_dead", "sole_owner", "tensors_over", "compiled_anything"]
+           "unwrap_dead", "sole_owner", "tensors_over", "compiled_anything", "recomputed"]
 
 
 def in_backward() -> bool:
     """Whether autograd is running a backward now (reentrant activation checkpointing recomputes a
     forward inside one). A read-only query of autograd's engine; no public equivalent."""
     return graph_task() != -1
+
+
+def recomputed(born: int) -> bool:
+    """Whether a forward runs inside a backward other than the one its call was made in
+    (``born``: `graph_task` when the call was made, -1 outside any backward): a forward autograd
+    recomputes (activation checkpointing), not a call a gradient hook makes during a backward.
+
+    Examples:
+        >>> recomputed(graph_task())  # a call made here, running here
+        False
+    """
+    task = graph_task()
+    return task != -1 and task != born
 
 
 def in_transform() -> bool:

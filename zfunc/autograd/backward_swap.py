@@ -95,7 +95,10 @@ class BackwardSwap:
         swapped: list = []
         try:
             views = source.whole(outside.unique) if names else {}
-            self._at_rest(self.module, names, places, views)
+            with self._users_lock:  # a call a gradient hook of this thread's backward made: on top of it
+                over = any(thread == me for thread, _, _ in self._wholes.values())
+            if not over:
+                self._at_rest(self.module, names, places, views)
             given = source.buffers
             kept = [(entries, attr, n) for n, entries, attr in bufs if n in given]
             swapped = swap_in(itertools.chain(((entries, attr, views[n]) for n, (entries, attr) in zip(names, places)),

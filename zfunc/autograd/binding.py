@@ -43,7 +43,7 @@ from zfunc.autograd.rebind import Spares
 from zfunc.autograd.routing import Routing
 from zfunc.autograd.swap import put_post, put_pre, set_data, take_post, take_pre
 from zfunc.autograd.gather import UnitGatherer
-from zfunc._probes import in_backward as _in_backward
+from zfunc._probes import in_backward as _in_backward, recomputed
 from zfunc.distributed.layout import Layout
 from zfunc.autograd.forward_gather import GatherPlan, Unbound, UnitViews, plan_gathers
 
@@ -561,10 +561,11 @@ class ModuleBinding(Routing, Recompute):
         ``1 / (grad_accum * world)``)."""
         return BoundModel(state, list(sinks), buffers, fold, avg)
 
-    def note_pending(self, call: Any) -> None:
+    def note_pending(self, call: Any, born: int = -1) -> None:
         """``call`` (a `Rebind` or `UnitGatherer`) has a backward to come, when autograd records
-        one: a forward recomputed in that backward may need it (`_source`)."""
-        if torch.is_grad_enabled() and not _in_backward():
+        one: a forward recomputed in that backward may need it (`_source`). A call made in a
+        backward (``born``, `BoundModel.born`) by a gradient hook counts; a recomputed one not."""
+        if torch.is_grad_enabled() and not recomputed(born):
             me = weakref.ref(self)
             with self._users_lock:
                 self._watch.add(weakref.ref(call, lambda ref: me() is not None and me()._call_gone(ref)))

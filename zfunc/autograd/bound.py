@@ -34,7 +34,7 @@ from zfunc.autograd.rebind import Rebind
 from zfunc.autograd.local import local_views
 from zfunc.autograd.forward_gather import ROOT, Gathering, UnitViews, start_gathers
 from zfunc.autograd.gather import UnitGatherer, check_same_units
-from zfunc._probes import in_backward
+from zfunc._probes import graph_task, recomputed
 
 if TYPE_CHECKING:
     from zfunc.core.state import TrainState
@@ -111,6 +111,9 @@ class BoundModel(torch.nn.Module):
         for name in ("_modules", "_parameters", "_buffers"):
             object.__setattr__(self, name, getattr(module, name))
         self.state, self.sinks, self.new_buffers, self.fold = state, sinks, buffers, fold
+        # The backward this model was made in (-1: none): a gradient hook's fresh call runs in it;
+        # a forward of this model in any other backward is autograd's recomputation (`recomputed`).
+        self.born = graph_task()
         self.avg = avg if avg is not None else Average(state.cfg.grad_accum, ranks_averaged(state),
                                                        state.binding.flight)
         # What the module's entries hold now: an entry that differs during a call was put there
@@ -173,7 +176,7 @@ class BoundModel(torch.nn.Module):
             if self._shared is not None:
                 views, call = self._shared
             elif state.stage == 3:  # the root unit alone: gathered once, as a forward call does
-                gatherer = UnitGatherer(state, self.sinks, [], self.avg)
+                gatherer = UnitGatherer(state, self.sinks, [], self.avg, self.born)
                 views, call = gatherer.root_views(), gatherer
                 gatherer.hub = None  # the graph keeps the collector
                 self._shared = (views, call)
@@ -185,7 +188,7 @@ class BoundModel(torch.nn.Module):
                 self.pending.wait_all()
                 self.pending = None
             self.param_views = {**views, **state.frozen}
-            state.binding.note_pending(call)
+            state.binding.note_pending(call, self.born)
         return self._named(state.binding.module.named_parameters(prefix="", recurse=recurse,
                                                                  remove_duplicate=remove_duplicate),
                            self.param_views, prefix)
@@ -295,7 +298,7 @@ class BoundModel(torch.nn.Module):
             tensors.update(views)
         elif state.stage == 3:  # the root unit now; the others when their modules run
             hint = binding.unit_order or [i for i, u in enumerate(lay.units) if u.name != "root"]
-            self.units = self.gatherer = gatherer = UnitGatherer(state, self.sinks, hint, self.avg)
+            self.units = self.gatherer = gatherer = UnitGatherer(state, self.sinks, hint, self.avg, self.born)
             views = gatherer.root_views()
             tensors.update(views)
             self.call = gatherer
@@ -314,12 +317,12 @@ class BoundModel(torch.nn.Module):
             if binding.gather_plan is not None:  # stages 1-2 with units: bound as their modules run
                 if pending is not None:
                     pending.wait(ROOT)
-                self.units = UnitViews({n: views.pop(n) for n in binding.unit_params}, pending)
+                self.units = UnitViews({n: views.pop(n) for n in binding.unit_params}, pending, self.born)
             elif pending is not None:  # the hooks that would wait are gone (`ModuleBinding.remove`)
                 pending.wait_all()
             tensors.update(views)
         self.call.buffers = self.new_buffers  # a recomputed forward's too (the dict: a reassigned one included)
-        binding.note_pending(self.call)
+        binding.note_pending(self.call, self.born)
         if cfg.autocast is None and cfg.compute_dtype != torch.float32:
             # Like FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True): a low-precision model
             # takes its floating-point inputs in its own dtype.
@@ -341,13 +344,13 @@ class BoundModel(torch.nn.Module):
             self.gatherer.drop_ahead()  # what the forward's prefetch gathered and did not use
             if state.group.size > 1 and state.device.type == "cpu":
                 check_same_units(self.gatherer.order, state.group)  # a host read: free on the CPU only
-            if not in_backward():
+            if not recomputed(self.born):
                 state.binding.unit_order = list(self.gatherer.order)  # the next forward's prefetch hint
         for name in self.new_buffers:  # a buffer the module reassigned (not updated in place)
             self.new_buffers[name] = tensors[name]
         # From here the call's graph holds the call (its outputs' nodes), the bound model does not
         call, self.call, self.gatherer, self.units = self.call, None, None, None
-        if torch.is_grad_enabled() and not in_backward():
+        if torch.is_grad_enabled() and not recomputed(self.born):
             calls.mark_outputs(out, call, state.binding.flight)
         return out
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from zfunc.distributed import comm
-from zfunc._probes import in_backward
+from zfunc._probes import recomputed
 from zfunc.autograd.swap import Swapped, put_back, swap_in
 from zfunc.distributed.layout import Layout
 
@@ -217,8 +217,8 @@ class UnitViews:
     """One forward call's unit parameters at stages 1-2: bound while the unit's module runs (after
     its gather is in), placeholders otherwise (see the module docstring)."""
 
-    def __init__(self, views: dict[str, torch.Tensor], gathering: Gathering | None):
-        self.views, self.gathering = views, gathering
+    def __init__(self, views: dict[str, torch.Tensor], gathering: Gathering | None, born: int = -1):
+        self.views, self.gathering, self.born = views, gathering, born  # born: `BoundModel.born`
         self.swapped: dict[int, Swapped] = {}
 
     def enter(self, i: int, slots: list[tuple[str, torch.nn.Module, str]]) -> None:
@@ -232,7 +232,7 @@ class UnitViews:
         call puts the placeholders back when it ends; the user's forward hooks see them); in a
         forward that autograd recomputes during backward the placeholders come back now."""
         swapped = self.swapped.pop(i, [])
-        if in_backward():
+        if recomputed(self.born):
             put_back(swapped)
 
     def drop_ahead(self) -> None:

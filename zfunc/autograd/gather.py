@@ -34,7 +34,7 @@ from zfunc.distributed import comm
 from zfunc.distributed._vmap import VmapAsIs
 from zfunc.autograd.average import Average
 from zfunc.autograd.buckets import Collect
-from zfunc._probes import hooks_active, in_backward, in_transform, plain, sole_owner
+from zfunc._probes import hooks_active, in_transform, plain, recomputed, sole_owner
 from zfunc.autograd.swap import Swapped, put_back, swap_in
 from zfunc.errors import refuse_create_graph
 
@@ -182,8 +182,9 @@ class UnitGatherer:
     buffers gathered for the call (by storage address, while their module runs) and those
     gathered ahead of use. ``hint``: the units the previous forward ran, in order."""
 
-    def __init__(self, state: Any, sinks: list[torch.Tensor], hint: list[int], avg: Average):
+    def __init__(self, state: Any, sinks: list[torch.Tensor], hint: list[int], avg: Average, born: int = -1):
         self.state, self.sinks, self.avg = state, sinks, avg
+        self.born = born  # the backward its call was made in (`BoundModel.born`)
         self.live: dict[int, int] = {}  # storage address -> unit index, during the unit's forward
         self.regathered: dict[int, torch.Tensor] = {}
         self.swapped: dict[int, Swapped] = {}  # unit -> what to restore
@@ -203,7 +204,7 @@ class UnitGatherer:
         # Gradients reduce-scatter asynchronously through a collector, except in a forward that
         # autograd recomputes inside backward (reentrant checkpointing) or one without autograd.
         self.reducer: _UnitReducer | None = None
-        if torch.is_grad_enabled() and not in_backward():
+        if torch.is_grad_enabled() and not recomputed(born):
             self.reducer = _UnitReducer(self)
             self.hub = Collect.apply(self.reducer, *sinks)  # dropped after forward (the graph keeps it)
         self.depth = state.cfg.prefetch if self.reducer is not None and state.mesh.shard.size > 1 else 0
@@ -256,7 +257,7 @@ class UnitGatherer:
     def gather(self, i: int) -> torch.Tensor:
         """Unit ``i`` in full, differentiable: its backward reduce-scatters into sink ``i``."""
         st = self.state
-        if self.reducer is not None and not in_backward():
+        if self.reducer is not None and not recomputed(self.born):
             return _GatherUnit.apply(self.hub, self, i)
         return _count_bytes(comm.unit_params(self.sinks[i], self._shard(i), None, st.mesh.shard, st.cfg.reduce_dtype,
                                              True, self.avg.current))
@@ -317,7 +318,7 @@ class UnitGatherer:
         full = self.gather(i)
         self.entry[i] = len(self.order)
         self.order.append(i)
-        if self.depth and not in_backward():
+        if self.depth and not recomputed(self.born):
             p = len(self.order)
             self.on_track = self.on_track and self.hint[p - 1:p] == [i]
             if self.on_track:
@@ -325,7 +326,7 @@ class UnitGatherer:
         views = self.state.layout.views(self.state.layout.units[i], full)
         # Restored by `leave`, and by the enclosing functional_call if forward raises.
         self.swapped[i] = swap_in((owner._parameters, attr, views[name]) for name, owner, attr in slots)
-        if self.reducer is not None and not in_backward() and not in_transform() and not hooks_active():
+        if self.reducer is not None and not recomputed(self.born) and not in_transform() and not hooks_active():
             key = full.untyped_storage().data_ptr()
             self.live[key] = i  # what the saved-tensor hooks look up
             hooks = self._saving()
