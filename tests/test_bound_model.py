@@ -45,6 +45,33 @@ def test_names_and_tensors_are_the_modules(stage):
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_use_without_autograd_first_leaves_the_parameters_differentiable(stage):
+    """A ``loss_fn`` that first calls the model under ``no_grad`` (a baseline), or reads its
+    parameters there (a norm to log), then computes its loss: the parameters it then uses carry
+    their gradients, as torch's do (views made without autograd carry none, and are not the ones
+    later calls share). One SGD step equals torch's."""
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
+
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))
+
+    def loss_fn(m, x):
+        with torch.no_grad():
+            base = m(x)
+            norm = sum(p.square().sum() for p in m.parameters())
+        return (m(x) - base * 0.5).square().sum() + 0 * norm
+
+    plain = net()
+    loss_fn(plain, x).backward()
+    want = {n: (p - p.grad).detach() for n, p in plain.named_parameters()}
+    cfg = zfunc.Config(stage=stage, optimizer=zfunc.sgd(lr=1.0), units=[] if stage == 3 else None)
+    state, _ = zfunc.backward_step(zfunc.init(net(), cfg), loss_fn, x)
+    got = zfunc.full_params(zfunc.apply_step(state))
+    assert max((got[n] - want[n]).abs().max().item() for n in want) < 1e-6
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_surrogate_on_the_parameters_reaches_the_state(stage):
     """``sum(p * c)`` over ``named_parameters()`` gives each parameter the gradient ``c``: the
     state's gradient is ``c`` averaged over micro-batches (stage 3: every parameter in the root)."""

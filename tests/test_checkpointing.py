@@ -1586,10 +1586,11 @@ def test_a_block_shared_by_two_reentrant_segments_trains_as_torch():
 
 
 class _HookedStem(torch.nn.Module):
-    """A stem, two checkpointed blocks and a head; ``hook`` (when set) goes on the stem's output,
-    so it runs once backward has recomputed both blocks."""
+    """A stem, two checkpointed blocks (``reentrant`` or not; None: not checkpointed) and a head;
+    ``hook`` (when set) goes on the stem's output, so it runs once backward has recomputed both
+    blocks."""
 
-    def __init__(self, reentrant: bool):
+    def __init__(self, reentrant: bool | None):
         super().__init__()
         self.stem = torch.nn.Linear(4, 4)
         self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
@@ -1601,7 +1602,11 @@ class _HookedStem(torch.nn.Module):
         if self.hook is not None and x.requires_grad:
             x.register_hook(self.hook)
         for block in self.blocks:
-            x = torch.utils.checkpoint.checkpoint(lambda t, b=block: torch.tanh(b(t)), x, use_reentrant=self.reentrant)
+            if self.reentrant is None:
+                x = torch.tanh(block(x))
+            else:
+                x = torch.utils.checkpoint.checkpoint(lambda t, b=block: torch.tanh(b(t)), x,
+                                                      use_reentrant=self.reentrant)
         return self.head(x)
 
 
@@ -1609,25 +1614,28 @@ def _squares(model: Any, x: torch.Tensor) -> torch.Tensor:
     return model(x).pow(2).sum()
 
 
-def _step_in_a_hook(rank: int, reentrant: bool, where: str, stage: int, units: list | None) -> tuple:
+def _step_in_a_hook(rank: int, reentrant: bool, where: str, stage: int, units: list | None,
+                    separate: bool = False) -> tuple | str:
     """One SGD step of a backward_step, and one of a second backward_step of the same state that
     a gradient hook of the first one's backward makes (on another batch); with the plain-torch
-    steps of the mean loss over the ranks, for both."""
+    steps of the mean loss over the ranks, for both. ``separate``: the second one of a state
+    made by another ``init`` of the module (the error, if refused)."""
     torch.manual_seed(0)
     model = _HookedStem(reentrant)
     reference = {n: p.detach().clone() for n, p in model.named_parameters()}
-    world = torch.distributed.get_world_size()
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     batches = [torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(r)) for r in range(world)]
     mine = batches[rank]
     cfg = zfunc.Config(stage=stage, optimizer=zfunc.sgd(lr=1.0), persist_threshold=0, units=units)
     state = zfunc.init(model, cfg)
+    second = zfunc.init(model, cfg) if separate else state
     inner: dict[str, Any] = {}
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
         if not inner:
             inner["busy"] = True  # (the second call's own backward runs this hook too)
             with torch.enable_grad():  # (a gradient hook runs under no_grad)
-                inner["state"] = zfunc.backward_step(state, _squares, mine[1])[0]
+                inner["state"] = zfunc.backward_step(second, _squares, mine[1])[0]
         return grad
 
     def outer_loss(bound: Any, x: torch.Tensor) -> torch.Tensor:
@@ -1637,7 +1645,10 @@ def _step_in_a_hook(rank: int, reentrant: bool, where: str, stage: int, units: l
         return out.pow(2).sum()
 
     model.hook = hook if where == "stem" else None
-    outer, _ = zfunc.backward_step(state, outer_loss, mine[0])
+    try:
+        outer, _ = zfunc.backward_step(state, outer_loss, mine[0])
+    except RuntimeError as e:
+        return str(e)
     model.hook = None
     got, want = [], []
     for k, st in ((0, outer), (1, inner["state"])):
@@ -1657,7 +1668,8 @@ def test_a_step_a_gradient_hook_makes_during_a_checkpointed_backward_trains_as_t
     its forward is not taken for a recomputation of the first call, its backward recomputes its
     blocks on its own tensors and gradients (nested inside the first backward's), and the first
     backward goes on with its own. Both SGD steps equal plain torch's, on two ranks, at stages
-    0, 2 and 3, with and without units."""
+    0, 2 and 3, with and without units. The second call on a state of another ``init`` of the
+    module, once the first backward recomputed a block, is refused, naming the cause."""
     for where in ("output", "stem"):
         for stage, units in ((0, None), (2, None), (2, ["blocks.0", "blocks.1"]), (3, None),
                              (3, ["blocks.0", "blocks.1"])):
@@ -1665,3 +1677,44 @@ def test_a_step_a_gradient_hook_makes_during_a_checkpointed_backward_trains_as_t
                 for k in (0, 1):
                     worst = max((got[k][n] - want[k][n]).abs().max().item() for n in want[k])
                     assert worst < 1e-6, (where, stage, units, ("outer", "inner")[k], worst)
+    # A state of another init of the module, once the first backward recomputed a block: refused
+    # (each would recompute on the other's tensors), as two such states in one backward are.
+    for stage in (0, 2, 3):
+        got = _step_in_a_hook(0, reentrant, "stem", stage, None, separate=True)
+        assert isinstance(got, str) and "separate zfunc.init calls on one module" in got, (stage, got)
+
+
+def _whole_call_checkpointed(rank: int, stage: int, units: list | None) -> list[float]:
+    """One SGD step of a loss_fn that checkpoints the whole bound call (reentrant: its forward
+    runs without autograd, and again in backward), against plain torch's on the mean loss over
+    the ranks; the largest difference, per checkpointing of the call's blocks (none, not
+    reentrant)."""
+    world = torch.distributed.get_world_size()
+    batches = [torch.randn(3, 4, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+
+    def loss(m: Any, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(m, x.clone().requires_grad_(), use_reentrant=True).pow(2).sum()
+
+    out = []
+    for inner in (None, False):
+        torch.manual_seed(0)
+        plain = _HookedStem(inner)
+        model = _HookedStem(inner)
+        model.load_state_dict(plain.state_dict())
+        (sum(loss(plain, b) for b in batches) / world).backward()
+        cfg = zfunc.Config(stage=stage, optimizer=zfunc.sgd(lr=1.0), persist_threshold=0, units=units)
+        state, _ = zfunc.backward_step(zfunc.init(model, cfg), loss, batches[rank])
+        got = zfunc.full_params(zfunc.apply_step(state))
+        out.append(max((got[n] - (p - p.grad)).abs().max().item() for n, p in plain.named_parameters()))
+    return out
+
+
+def test_the_whole_call_under_a_reentrant_checkpoint_trains_as_torch():
+    """``checkpoint(model, x, use_reentrant=True)`` over the whole bound model: the forward runs
+    under ``no_grad`` (its parameters made there carry no gradient and are not kept for the
+    call's next use) and again in backward, where the gradients reach the state. With the
+    blocks inside checkpointed (not reentrant) too. On two ranks, stages 0, 2 and 3, with and
+    without units, one SGD step equals torch's."""
+    for stage, units in ((0, None), (2, None), (2, ["blocks.0", "blocks.1"]), (3, None), (3, ["blocks.0", "blocks.1"])):
+        for worst in run_ranks(_whole_call_checkpointed, 2, stage, units):
+            assert max(worst) < 1e-6, (stage, units, worst)

@@ -51,7 +51,7 @@ class BackwardSwap:
     flight: calls.InFlight
     stage: int
     _outside: Outside
-    _wholes: dict[int, tuple[int, Any, bool]]
+    _wholes: dict[int, tuple[int, Any, bool, Any]]
     _users_lock: Any
 
     def _swap_whole(self, params: bool = True) -> bool:
@@ -83,7 +83,7 @@ class BackwardSwap:
         me = threading.get_ident()
         params = params or self.stage != 3  # (at stages 0-2 views of the call's buffer: no cost to put in)
         with self._users_lock:
-            done = [has for thread, call, has in self._wholes.values() if thread == me and call is source]
+            done = [has for thread, call, has, _ in self._wholes.values() if thread == me and call is source]
         names, places, bufs = outside.names, outside.places, outside.buffers
         if done:
             if any(done) or not params or not names:
@@ -95,8 +95,11 @@ class BackwardSwap:
         swapped: list = []
         try:
             views = source.whole(outside.unique) if names else {}
-            with self._users_lock:  # a call a gradient hook of this thread's backward made: on top of it
-                over = any(thread == me for thread, _, _ in self._wholes.values())
+            # A call a gradient hook of this thread's backward made goes on top of that backward's
+            # tensors (which are back when the call's own backward ends); any other tensor is checked
+            now = places[0][0].get(places[0][1]) if names else None
+            with self._users_lock:
+                over = any(thread == me and first is now for thread, _, _, first in self._wholes.values())
             if not over:
                 self._at_rest(self.module, names, places, views)
             given = source.buffers
@@ -109,7 +112,7 @@ class BackwardSwap:
             self.release()
             raise
         with self._users_lock:  # (from here on `whole` undoes it, when autograd runs it or lets it go)
-            self._wholes[id(whole)] = (me, source, params)
+            self._wholes[id(whole)] = (me, source, params, views[names[0]] if names else None)
             self.flight.params_in = self.flight.params_in or bool(names)
             self.flight.any_whole = True
         calls.at_backward_end(whole)
@@ -120,7 +123,7 @@ class BackwardSwap:
         hold what they held before, and a buffer the recomputations reassigned is the call's."""
         with self._users_lock:
             self._wholes.pop(id(whole), None)
-            self.flight.params_in = any(has for _, _, has in self._wholes.values())
+            self.flight.params_in = any(has for _, _, has, _ in self._wholes.values())
             self.flight.any_whole = bool(self._wholes)
         try:
             for entries, attr, name, tensor in whole.put:

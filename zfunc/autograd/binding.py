@@ -227,9 +227,10 @@ class ModuleBinding(Routing, Recompute):
         self._running: dict[int, int] = {}
         self._runners: dict[int, dict[int, int]] = {}
         # What `BackwardSwap._swap_whole` put in for the backwards running now, by the id of its
-        # undoing (`_Whole`, which autograd holds, not the binding): its thread, call, and whether
-        # the parameters went in (at stage 3 the buffers may go in first)
-        self._wholes: dict[int, tuple[int, Any, bool]] = {}
+        # undoing (`_Whole`, which autograd holds, not the binding): its thread, call, whether the
+        # parameters went in (at stage 3 the buffers may go in first), and what went in the first
+        # parameter entry (a call a gradient hook makes in that backward goes on top of it)
+        self._wholes: dict[int, tuple[int, Any, bool, Any]] = {}
         if stage == 3:
             self._install_unit_hooks([(i, u.name, [s.name for s in u.slots]) for i, u in enumerate(layout.units)
                                       if u.name != "root"])
@@ -555,11 +556,12 @@ class ModuleBinding(Routing, Recompute):
         self.gather_plan = None  # no hook waits for a unit now: apply_step gathers before returning
 
     def bind(self, state: TrainState, sinks: Sequence[torch.Tensor], buffers: dict[str, torch.Tensor],
-             fold: Fold | None = None, avg: Average | None = None) -> BoundModel:
+             fold: Fold | None = None, avg: Average | None = None, own: bool = False) -> BoundModel:
         """The module as a function of its inputs on ``state``'s parameters and ``buffers``,
         parameter gradients multiplied by ``avg.factor`` as they enter (default
-        ``1 / (grad_accum * world)``)."""
-        return BoundModel(state, list(sinks), buffers, fold, avg)
+        ``1 / (grad_accum * world)``); ``own``: for a call that runs its own backward
+        (`BoundModel`)."""
+        return BoundModel(state, list(sinks), buffers, fold, avg, own)
 
     def note_pending(self, call: Any, born: int = -1) -> None:
         """``call`` (a `Rebind` or `UnitGatherer`) has a backward to come, when autograd records

@@ -104,16 +104,18 @@ class BoundModel(torch.nn.Module):
     """
 
     def __init__(self, state: TrainState, sinks: list[torch.Tensor], buffers: dict[str, torch.Tensor],
-                 fold: Fold | None = None, avg: Average | None = None):
+                 fold: Fold | None = None, avg: Average | None = None, own: bool = False):
         super().__init__()
         module = state.binding.module
         # The user's containers: functional_call and get_submodule reach the module through them.
         for name in ("_modules", "_parameters", "_buffers"):
             object.__setattr__(self, name, getattr(module, name))
         self.state, self.sinks, self.new_buffers, self.fold = state, sinks, buffers, fold
-        # The backward this model was made in (-1: none): a gradient hook's fresh call runs in it;
-        # a forward of this model in any other backward is autograd's recomputation (`recomputed`).
-        self.born = graph_task()
+        # A model for a call that runs its own backward (``own``: `backward_step`, `vjp`) made
+        # during a backward (by a gradient hook) is that call in it, and a recomputation in any
+        # other; any other model's forward in a backward is autograd's recomputation (the
+        # engine's, made anew by a checkpointed `engine(x)`): `zfunc._probes.recomputed`.
+        self.born = graph_task() if own else -1
         self.avg = avg if avg is not None else Average(state.cfg.grad_accum, ranks_averaged(state),
                                                        state.binding.flight)
         # What the module's entries hold now: an entry that differs during a call was put there
@@ -172,26 +174,32 @@ class BoundModel(torch.nn.Module):
                 "weights with zfunc.full_params(state) (gathers the whole model); compute gradients with respect to "
                 "inputs (torch.autograd.grad, torch.func.grad) as usual; or keep every parameter in the root unit "
                 "(Config(units=[]), a larger persist_threshold) or use stage 0-2 for per-parameter torch.func recipes")
-        if self.param_views is None:
+        param_views = self.param_views
+        if param_views is None:
+            # Made without autograd (under no_grad) they carry no gradient: kept only with it
+            keep = torch.is_grad_enabled()
             if self._shared is not None:
                 views, call = self._shared
             elif state.stage == 3:  # the root unit alone: gathered once, as a forward call does
                 gatherer = UnitGatherer(state, self.sinks, [], self.avg, self.born)
                 views, call = gatherer.root_views(), gatherer
                 gatherer.hub = None  # the graph keeps the collector
-                self._shared = (views, call)
+                if keep:
+                    self._shared = (views, call)
             else:
                 views, call = self._views()
-                if state.binding.gather_plan is None:
+                if state.binding.gather_plan is None and keep:
                     self._shared = (views, call)
             if self.pending is not None:  # stages 1-2 after a step with units: every slice, now
                 self.pending.wait_all()
                 self.pending = None
-            self.param_views = {**views, **state.frozen}
+            param_views = {**views, **state.frozen}
+            if keep:
+                self.param_views = param_views
             state.binding.note_pending(call, self.born)
         return self._named(state.binding.module.named_parameters(prefix="", recurse=recurse,
                                                                  remove_duplicate=remove_duplicate),
-                           self.param_views, prefix)
+                           param_views, prefix)
 
     def named_buffers(self, prefix: str = "", recurse: bool = True,
                       remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
@@ -302,7 +310,7 @@ class BoundModel(torch.nn.Module):
             views = gatherer.root_views()
             tensors.update(views)
             self.call = gatherer
-            if not _has_units(state):
+            if not _has_units(state) and torch.is_grad_enabled():  # (without autograd: no gradient to keep)
                 self._shared = (views, gatherer)
                 self.param_views = {**views, **state.frozen}
         elif self._shared is not None and binding.gather_plan is None:  # the tensors named_parameters gives
@@ -310,7 +318,7 @@ class BoundModel(torch.nn.Module):
             tensors.update(views)
         else:
             views, self.call = self._views()
-            if binding.gather_plan is None:
+            if binding.gather_plan is None and torch.is_grad_enabled():  # (without autograd: no gradient to keep)
                 self._shared = (views, self.call)
                 self.param_views = {**views, **state.frozen}
             pending = self.pending

@@ -124,16 +124,18 @@ def _ends_step(state: TrainState) -> Fold | None:
 
 
 def bind(state: TrainState, sinks: Sequence[torch.Tensor], *, donate: bool = False,
-         fold: Fold | None = None, avg: Average | None = None) -> BoundModel:
+         fold: Fold | None = None, avg: Average | None = None, own: bool = False) -> BoundModel:
     """The module as a function of its inputs on ``state``'s parameters, gradients to ``sinks``
     (reducing the accumulator in backward with ``fold``, `boundary_fold`), each multiplied by
     ``avg.factor`` as it enters (default ``1 / (grad_accum * world)``).
 
     Buffers are cloned for the call (the new values are the bound model's ``new_buffers``), or
-    updated in place with ``donate``.
+    updated in place with ``donate``. ``own``: the model of a call that runs its own backward
+    (`backward_step`, `vjp`), a call of its own even when a gradient hook makes it during a
+    backward.
     """
     buffers = dict(state.buffers) if donate else {n: b.clone() for n, b in state.buffers.items()}
-    return state.binding.bind(state, sinks, buffers, fold, avg)
+    return state.binding.bind(state, sinks, buffers, fold, avg, own)
 
 
 USED_UP = "failed part way"
@@ -272,7 +274,7 @@ def backward_step(state: TrainState, loss_fn: Callable[..., Any], batch: Any, *,
     with used_up_on_failure(state, donate, "backward_step"):
         grads = accumulator(state.grads, donate, state.binding.pool)
         sinks = sinks_into(state, grads)
-        model = bind(state, sinks, donate=donate, fold=fold)
+        model = bind(state, sinks, donate=donate, fold=fold, own=True)
         out = loss_fn(model, batch)
         loss, aux = out if has_aux else (out, None)
         if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
@@ -342,7 +344,7 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
         args[i] = a.detach().requires_grad_()
         wrt.append(args[i])
     with used_up_on_failure(state, donate, "vjp"):
-        model = bind(state, sinks, donate=donate, fold=fold)
+        model = bind(state, sinks, donate=donate, fold=fold, own=True)
         out = fn(model, *args)
         outs, spec = _flat_out(out)
         odd = [type(o).__name__ for o in outs if not isinstance(o, torch.Tensor) and o is not None]
