@@ -1688,7 +1688,7 @@ def _whole_call_checkpointed(rank: int, stage: int, units: list | None) -> list[
     """One SGD step of a loss_fn that checkpoints the whole bound call (reentrant: its forward
     runs without autograd, and again in backward), against plain torch's on the mean loss over
     the ranks; the largest difference, per checkpointing of the call's blocks (none, not
-    reentrant)."""
+    reentrant, reentrant)."""
     world = torch.distributed.get_world_size()
     batches = [torch.randn(3, 4, generator=torch.Generator().manual_seed(r)) for r in range(world)]
 
@@ -1696,7 +1696,7 @@ def _whole_call_checkpointed(rank: int, stage: int, units: list | None) -> list[
         return torch.utils.checkpoint.checkpoint(m, x.clone().requires_grad_(), use_reentrant=True).pow(2).sum()
 
     out = []
-    for inner in (None, False):
+    for inner in (None, False, True):
         torch.manual_seed(0)
         plain = _HookedStem(inner)
         model = _HookedStem(inner)
@@ -1713,8 +1713,9 @@ def test_the_whole_call_under_a_reentrant_checkpoint_trains_as_torch():
     """``checkpoint(model, x, use_reentrant=True)`` over the whole bound model: the forward runs
     under ``no_grad`` (its parameters made there carry no gradient and are not kept for the
     call's next use) and again in backward, where the gradients reach the state. With the
-    blocks inside checkpointed (not reentrant) too. On two ranks, stages 0, 2 and 3, with and
-    without units, one SGD step equals torch's."""
+    blocks inside checkpointed too: not reentrant, or reentrant (recomputed in the backward the
+    outer checkpoint runs through the recomputed call's outputs, on that call's tensors). On
+    two ranks, stages 0, 2 and 3, with and without units, one SGD step equals torch's."""
     for stage, units in ((0, None), (2, None), (2, ["blocks.0", "blocks.1"]), (3, None), (3, ["blocks.0", "blocks.1"])):
         for worst in run_ranks(_whole_call_checkpointed, 2, stage, units):
             assert max(worst) < 1e-6, (stage, units, worst)

@@ -346,6 +346,70 @@ def test_the_engine_called_inside_a_reentrant_checkpoint(stage, fp16):
     assert torch.equal(got["checkpointed"], got["plain"]), (got["checkpointed"] / got["plain"]).flatten()[:3]
 
 
+
+class _BlockInside(nn.Module):
+    """`_model`'s shape with its middle layer checkpointed on its own (``reentrant`` or not)."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(5, 7), nn.Linear(7, 7), nn.Linear(7, 3)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(lambda t: torch.tanh(self.b(t)), self.a(x), use_reentrant=self.reentrant)
+        return self.c(h)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")  # torch's, in the outer no_grad forward
+def test_the_engine_called_inside_a_reentrant_checkpoint_with_a_checkpointed_block(stage, reentrant):
+    """The engine's call inside a reentrant checkpoint, its model checkpointing a block of its
+    own: the block is recomputed in the backward the outer checkpoint runs through the
+    recomputed call's outputs, on that call's tensors, and that backward is the engine's own
+    (its seed carries ``1 / GAS``): every gradient is the plain call's."""
+    from torch.utils.checkpoint import checkpoint
+
+    x, y = _micro(0, 0, 0)
+    got = {}
+    for how in ("plain", "checkpointed"):
+        engine, *_ = zfunc.initialize(model=_BlockInside(reentrant), config=_config(stage, 4))
+        pred = engine(x) if how == "plain" else checkpoint(engine, x.clone().requires_grad_(), use_reentrant=True)
+        engine.backward(F.mse_loss(pred, y))
+        got[how] = [zfunc.utils.safe_get_full_grad(p).clone() for p in engine.module.parameters()]
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-7) for a, b in zip(got["checkpointed"], got["plain"]))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_step_a_gradient_hook_of_the_engines_backward_makes_keeps_its_factor(stage):
+    """A gradient hook of ``engine.backward(loss)`` (whose seed carries ``1 / GAS``) makes a
+    ``backward_step`` of another state, whose model checkpoints a block (reentrant): that
+    block's backward runs inside the step's own backward, and its gradient enters at the
+    step's factor, ``1 / grad_accum``, as without the engine around it."""
+    state = zfunc.init(_BlockInside(True), zfunc.Config(stage=stage, grad_accum=2))
+    x, y = _micro(0, 0, 0)
+
+    def loss_fn(model, batch):
+        return F.mse_loss(model(batch[0]), batch[1])
+
+    alone = zfunc.backward_step(state, loss_fn, (x, y))[0].grads.clone()
+    engine, *_ = zfunc.initialize(model=_model(), config=_config(stage, 4))
+    inside = {}
+
+    def hook(grad):
+        if not inside:
+            with torch.enable_grad():  # (a gradient hook runs under no_grad)
+                inside["grads"] = zfunc.backward_step(state, loss_fn, (x, y))[0].grads.clone()
+        return grad
+
+    out = engine(x)
+    out.register_hook(hook)
+    engine.backward(F.mse_loss(out, y))
+    assert torch.allclose(inside["grads"], alone, rtol=0, atol=1e-7), (inside["grads"] / alone)[:3]
+
 def test_an_engine_and_its_bound_model_deep_copy():
     """``copy.deepcopy`` of an engine and of the bound model a loss function receives works (the
     binding, and its record of calls in flight, shared as a state's copies share them)."""

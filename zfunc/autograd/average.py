@@ -57,13 +57,22 @@ def seeded_now(flight: calls.InFlight | None = None) -> bool:
     backward in the thread of a seeded one is nested in it unless it reached one of the calls'
     outputs itself (``flight``, the binding's record): reentrant checkpointing differentiates a
     segment in a graph task of its own, whose outputs were made under ``no_grad`` and so are not
-    marked, whether the call is inside the segment or the segment inside the call."""
+    marked, whether the call is inside the segment or the segment inside the call. A segment's
+    backward inside a backward through the calls' outputs (the one this thread entered,
+    `calls.InFlight.around`) is seeded as that one is: a call a gradient hook of a seeded backward
+    makes has its own."""
     if not SEEDED:
         return False
     task = graph_task() if flight is None else flight.task_now()
     if task in SEEDED:
         return True
-    return threading.get_ident() in SEEDED.values() and (flight is None or not flight.through_calls(task))
+    if flight is not None:
+        if flight.through_calls(task):
+            return False
+        around = flight.around()
+        if around is not None and around != task:
+            return around in SEEDED
+    return threading.get_ident() in SEEDED.values()
 
 
 class _Mark:

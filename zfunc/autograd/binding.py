@@ -43,7 +43,7 @@ from zfunc.autograd.rebind import Spares
 from zfunc.autograd.routing import Routing
 from zfunc.autograd.swap import put_post, put_pre, set_data, take_post, take_pre
 from zfunc.autograd.gather import UnitGatherer
-from zfunc._probes import in_backward as _in_backward, recomputed
+from zfunc._probes import in_backward as _in_backward
 from zfunc.distributed.layout import Layout
 from zfunc.autograd.forward_gather import GatherPlan, Unbound, UnitViews, plan_gathers
 
@@ -563,11 +563,12 @@ class ModuleBinding(Routing, Recompute):
         (`BoundModel`)."""
         return BoundModel(state, list(sinks), buffers, fold, avg, own)
 
-    def note_pending(self, call: Any, born: int = -1) -> None:
+    def note_pending(self, call: Any) -> None:
         """``call`` (a `Rebind` or `UnitGatherer`) has a backward to come, when autograd records
-        one: a forward recomputed in that backward may need it (`_source`). A call made in a
-        backward (``born``, `BoundModel.born`) by a gradient hook counts; a recomputed one not."""
-        if torch.is_grad_enabled() and not recomputed(born):
+        one: a forward recomputed in that backward may need it (`_source`); a whole call
+        recomputed in backward too (its blocks may be recomputed in the backward through its
+        outputs that a reentrant checkpoint runs)."""
+        if torch.is_grad_enabled():
             me = weakref.ref(self)
             with self._users_lock:
                 self._watch.add(weakref.ref(call, lambda ref: me() is not None and me()._call_gone(ref)))

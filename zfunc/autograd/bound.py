@@ -196,7 +196,7 @@ class BoundModel(torch.nn.Module):
             param_views = {**views, **state.frozen}
             if keep:
                 self.param_views = param_views
-            state.binding.note_pending(call, self.born)
+            state.binding.note_pending(call)
         return self._named(state.binding.module.named_parameters(prefix="", recurse=recurse,
                                                                  remove_duplicate=remove_duplicate),
                            param_views, prefix)
@@ -330,7 +330,7 @@ class BoundModel(torch.nn.Module):
                 pending.wait_all()
             tensors.update(views)
         self.call.buffers = self.new_buffers  # a recomputed forward's too (the dict: a reassigned one included)
-        binding.note_pending(self.call, self.born)
+        binding.note_pending(self.call)
         if cfg.autocast is None and cfg.compute_dtype != torch.float32:
             # Like FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True): a low-precision model
             # takes its floating-point inputs in its own dtype.
@@ -358,8 +358,8 @@ class BoundModel(torch.nn.Module):
             self.new_buffers[name] = tensors[name]
         # From here the call's graph holds the call (its outputs' nodes), the bound model does not
         call, self.call, self.gatherer, self.units = self.call, None, None, None
-        if torch.is_grad_enabled() and not recomputed(self.born):
-            calls.mark_outputs(out, call, state.binding.flight)
+        if torch.is_grad_enabled():  # (a whole call recomputed in backward: its checkpoint's backward reaches them)
+            calls.mark_outputs(out, call, state.binding.flight, again=recomputed(self.born))
         return out
 
 

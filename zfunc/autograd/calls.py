@@ -59,6 +59,8 @@ class InFlight:
         self.params_in = False
         self._running: dict[int, list[Any]] = {}  # thread -> its calls, innermost last
         self._entered: dict[int, int] = {}  # graph task -> backwards through it
+        # graph task -> those through a call that was not itself a recomputation (`through_calls`)
+        self._direct: dict[int, int] = {}
         self._threads: dict[int, set[int]] = {}  # graph task -> the threads its markers ran in (`enclosing`)
         self.acting: dict[int, int] = {}  # graph task -> the backward it runs for (`task_now`)
         self.idle: Callable[[], Any] | None = None  # called when no backward runs through the calls any more
@@ -98,8 +100,10 @@ class InFlight:
         return self.acting.get(task, task)
 
     def through_calls(self, task: int) -> bool:
-        """Whether backward ``task`` reached one of the binding's calls' outputs."""
-        return task in self._entered
+        """Whether backward ``task`` reached the outputs of one of the binding's calls that was
+        not a recomputation (a whole call under a reentrant checkpoint runs again in backward,
+        and the checkpoint's own backward through its outputs belongs to the backward around it)."""
+        return task in self._direct
 
     def tasks(self) -> int:
         """How many backwards run through the calls' outputs now (one each, however many
@@ -123,6 +127,15 @@ class InFlight:
             outer = [task for task, threads in self._threads.items() if me in threads]
         return outer[0] if len(outer) == 1 else None
 
+    def around(self) -> int | None:
+        """The one backward through a call's outputs that was not a recomputation (`through_calls`)
+        this thread entered, or None (none, or several): for a nested backward, the backward it
+        belongs to."""
+        me = threading.get_ident()
+        with self._lock:
+            outer = [task for task, threads in self._threads.items() if me in threads and task in self._direct]
+        return outer[0] if len(outer) == 1 else None
+
     def ran_here(self) -> bool:
         """Whether this thread runs a backward through one of the calls' outputs (its marker ran
         here): a thread that runs none (plain torch on the module meanwhile) recomputes nothing
@@ -131,26 +144,33 @@ class InFlight:
         with self._lock:
             return any(me in threads for threads in self._threads.values())
 
-    def _enter_backward(self, task: int) -> None:
+    def _enter_backward(self, task: int, again: bool) -> None:
         with self._lock:
             self._entered[task] = self._entered.get(task, 0) + 1
+            if not again:
+                self._direct[task] = self._direct.get(task, 0) + 1
             self._threads.setdefault(task, set()).add(threading.get_ident())
             self.backwards += 1
 
-    def _leave_backward(self, task: int) -> None:
+    def _leave_backward(self, task: int, again: bool) -> None:
         with self._lock:
             self.backwards -= 1
             self._entered[task] -= 1
             if self._entered[task] == 0:
                 del self._entered[task]
                 self._threads.pop(task, None)
+            if not again:
+                self._direct[task] -= 1
+                if self._direct[task] == 0:
+                    del self._direct[task]
             none = self.backwards == 0
         if none and self.idle is not None:
             self.idle()
 
 
-def _entered(call: Any, flight: InFlight, task: int) -> None:
-    """Backward ``task`` reached the call's output: note it on the call, count it until it ends.
+def _entered(call: Any, flight: InFlight, again: bool, task: int) -> None:
+    """Backward ``task`` reached the call's output: note it on the call, count it until it ends
+    (``again``: the call is a recomputation, `mark_outputs`).
 
     Raises:
         RuntimeError: the call's weights were given to a step since its forward (a donating
@@ -166,8 +186,8 @@ def _entered(call: Any, flight: InFlight, task: int) -> None:
             "backward before the step, or run the forward again after it")
     call.tasks.add(task)
     first = flight.backwards == 0
-    flight._enter_backward(task)  # (counted before the hooks are armed: `InFlight.idle` disarms at none)
-    at_backward_end(_Left(flight, task))  # at its end, or when it fails (`_Left`)
+    flight._enter_backward(task, again)  # (counted before the hooks are armed: `InFlight.idle` disarms at none)
+    at_backward_end(_Left(flight, task, again))  # at its end, or when it fails (`_Left`)
     on_backward = getattr(call, "on_backward", None)  # the binding's recompute hooks are armed
     if on_backward is not None:
         on_backward(first)
@@ -200,26 +220,27 @@ class _Left:
     and autograd drops its callbacks unrun, as it lets this go: either way the backward stops
     being counted, whichever thread ran it (on CUDA, autograd's device thread)."""
 
-    __slots__ = ("flight", "task")
+    __slots__ = ("flight", "task", "again")
 
-    def __init__(self, flight: InFlight, task: int):
+    def __init__(self, flight: InFlight, task: int, again: bool):
         self.flight: InFlight | None = flight
-        self.task = task
+        self.task, self.again = task, again
 
     def __call__(self) -> None:
         flight, self.flight = self.flight, None
         if flight is not None:
-            flight._leave_backward(self.task)
+            flight._leave_backward(self.task, self.again)
 
     def __del__(self) -> None:
         self()
 
 
-def mark_outputs(out: Any, call: Any, flight: InFlight) -> None:
+def mark_outputs(out: Any, call: Any, flight: InFlight, again: bool = False) -> None:
     """Put the backward marker (module docstring) on the autograd node of each tensor in ``out``
     (the graph keeps ``call`` and ``flight``, its binding's record, from then on, as long as it
     lives). Tensors under a ``torch.func`` transform are left alone: their nodes belong to the
-    transform.
+    transform. ``again``: the call is a recomputation in backward (a whole call under a reentrant
+    checkpoint), whose outputs a nested backward differentiates on behalf of the one around it.
 
     Examples:
         >>> import torch, types
@@ -237,7 +258,7 @@ def mark_outputs(out: Any, call: Any, flight: InFlight) -> None:
         if fn is None or id(fn) in seen or is_transformed(t):
             continue
         seen.add(id(fn))
-        note_backwards(t, functools.partial(_entered, call, flight))
+        note_backwards(t, functools.partial(_entered, call, flight, again))
 
 
 def note_backwards(t: torch.Tensor, note: Callable[[int], Any]) -> Any:
