@@ -335,9 +335,9 @@ class Recompute(BackwardSwap):
         now = entries.get(attr)
         if now is not views[names[0]] and not isinstance(now, torch.nn.Parameter):
             raise RuntimeError(
-                f"activation checkpointing recomputes {type(mod).__name__} during backward, and {names[0]} holds "
-                "another zfunc state's tensor: two states made by separate zfunc.init calls on one module are "
-                "differentiated by this backward, and each would recompute on the other's parameters. Run "
+                f"{type(mod).__name__} runs during a backward (activation checkpointing recomputing it, or a call a "
+                f"gradient hook makes), and {names[0]} holds another zfunc state's tensor: two states made by separate "
+                "zfunc.init calls on one module are in this backward, and each would run on the other's parameters. Run "
                 "each state's backward on its own, or init the second state from a copy.deepcopy of the model "
                 "(a state's own copies, copy.deepcopy(state), share its binding and are told apart)")
 
