@@ -159,7 +159,8 @@ class BoundModel(torch.nn.Module):
         """The parameters forward uses, under the module's names: trained ones as views of the
         state's compute buffer whose gradients reach the state (made once per bound model and, at
         stages 0-2 without units, the very tensors every forward call of it computes with, so a
-        hook on one or ``torch.autograd.grad`` with respect to it sees the forward's use), frozen
+        hook on one or ``torch.autograd.grad`` with respect to it sees the forward's use; made
+        under ``no_grad``, they carry no gradient and are made again by the next use), frozen
         ones as they are.
 
         Raises:
