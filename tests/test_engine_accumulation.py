@@ -410,6 +410,30 @@ def test_a_step_a_gradient_hook_of_the_engines_backward_makes_keeps_its_factor(s
     engine.backward(F.mse_loss(out, y))
     assert torch.allclose(inside["grads"], alone, rtol=0, atol=1e-7), (inside["grads"] / alone)[:3]
 
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_scaled_loss_over_a_checkpointed_and_a_plain_engine_call(stage):
+    """Under fp16 loss scaling, ``engine.scale(loss).backward()`` of a loss over an engine call
+    inside a reentrant checkpoint and a plain one: the checkpoint's backward through the
+    recomputed call is part of the scaled backward (not refused as an unscaled one), and the
+    gradients equal ``engine.backward(loss)``'s."""
+    from torch.utils.checkpoint import checkpoint
+
+    cfg = _config(stage, 2)
+    cfg["fp16"] = {"enabled": True, "initial_scale_power": 4}
+    x, y = _micro(0, 0, 0)
+    got = {}
+    for how in ("backward", "scale"):
+        engine, *_ = zfunc.initialize(model=_model(), config=cfg)
+        pred = checkpoint(engine, x.clone().requires_grad_(), use_reentrant=True) + engine(2 * x)
+        loss = F.mse_loss(pred.float(), y)
+        if how == "backward":
+            engine.backward(loss)
+        else:
+            engine.scale(loss).backward()
+        got[how] = [zfunc.utils.safe_get_full_grad(p).clone() for p in engine.module.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(got["scale"], got["backward"]))
+
 def test_an_engine_and_its_bound_model_deep_copy():
     """``copy.deepcopy`` of an engine and of the bound model a loss function receives works (the
     binding, and its record of calls in flight, shared as a state's copies share them)."""

@@ -113,10 +113,11 @@ class InFlight:
     def nested(self) -> bool:
         """Whether the backward running now is one that a backward through a call's outputs
         started inside itself (reentrant activation checkpointing recomputes and differentiates a
-        segment in a graph task of its own): it belongs to that outer backward. One run on another
-        backward's behalf (`task_now`) is not nested: it stands for that one."""
+        segment in a graph task of its own, also through a whole call recomputed in backward,
+        `through_calls`): it belongs to that outer backward. One run on another backward's behalf
+        (`task_now`) is not nested: it stands for that one."""
         task = graph_task()
-        return bool(self._entered) and task not in self._entered and task not in self.acting
+        return bool(self._entered) and task not in self._direct and task not in self.acting
 
     def enclosing(self) -> int | None:
         """For a nested backward (`nested`): the backward through a call's outputs it runs inside,

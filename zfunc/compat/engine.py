@@ -174,7 +174,10 @@ class Engine(ConfigAccessors, WeightsOut, Checkpoints, torch.nn.Module):
         scaling, refuse one whose seed did not carry the scale (DeepSpeed's rule): neither an
         engine's ``backward`` nor a loss from `scale`."""
         flight = self._state.binding.flight
-        task = flight.enclosing() if flight.nested() else flight.task_now()
+        task = flight.task_now()
+        if flight.nested():  # counted as the backward it runs inside
+            around = flight.around()
+            task = around if around is not None else flight.enclosing()
         if task is None or task in self._tasks:
             return
         self._tasks.add(task)
