@@ -384,16 +384,27 @@ def test_the_engine_called_inside_a_reentrant_checkpoint_with_a_checkpointed_blo
 
 
 @pytest.mark.parametrize("stage", [0, 3])
-def test_a_step_a_gradient_hook_of_the_engines_backward_makes_keeps_its_factor(stage):
+@pytest.mark.parametrize("whole", ["no", "alone", "beside_plain"])
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")  # torch's, in the outer no_grad forward
+def test_a_step_a_gradient_hook_of_the_engines_backward_makes_keeps_its_factor(stage, whole):
     """A gradient hook of ``engine.backward(loss)`` (whose seed carries ``1 / GAS``) makes a
-    ``backward_step`` of another state, whose model checkpoints a block (reentrant): that
-    block's backward runs inside the step's own backward, and its gradient enters at the
-    step's factor, ``1 / grad_accum``, as without the engine around it."""
+    ``backward_step`` of another state, whose model checkpoints a block (reentrant), its loss
+    the model's call, or that call under a reentrant checkpoint (``whole``; alone, or beside a
+    plain call): the blocks' and the checkpoint's backwards run inside the step's own backward
+    (`InFlight.running`), and the gradients enter at the step's factor, ``1 / grad_accum``, as
+    without the engine around it."""
+    from torch.utils.checkpoint import checkpoint
+
     state = zfunc.init(_BlockInside(True), zfunc.Config(stage=stage, grad_accum=2))
     x, y = _micro(0, 0, 0)
 
     def loss_fn(model, batch):
-        return F.mse_loss(model(batch[0]), batch[1])
+        if whole == "no":
+            return F.mse_loss(model(batch[0]), batch[1])
+        pred = checkpoint(model, batch[0].clone().requires_grad_(), use_reentrant=True)
+        if whole != "alone":
+            pred = pred + model(2 * batch[0])
+        return F.mse_loss(pred, batch[1])
 
     alone = zfunc.backward_step(state, loss_fn, (x, y))[0].grads.clone()
     engine, *_ = zfunc.initialize(model=_model(), config=_config(stage, 4))

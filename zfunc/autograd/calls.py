@@ -15,10 +15,11 @@ backward, outside zfunc's call, finds the call it belongs to
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -61,6 +62,7 @@ class InFlight:
         self._entered: dict[int, int] = {}  # graph task -> backwards through it
         # graph task -> those through a call that was not itself a recomputation (`through_calls`)
         self._direct: dict[int, int] = {}
+        self._own: dict[int, int] = {}  # graph task -> its thread: a backward zfunc runs itself (`running`)
         self._threads: dict[int, set[int]] = {}  # graph task -> the threads its markers ran in (`enclosing`)
         self.acting: dict[int, int] = {}  # graph task -> the backward it runs for (`task_now`)
         self.idle: Callable[[], Any] | None = None  # called when no backward runs through the calls any more
@@ -134,8 +136,33 @@ class InFlight:
         belongs to."""
         me = threading.get_ident()
         with self._lock:
-            outer = [task for task, threads in self._threads.items() if me in threads and task in self._direct]
-        return outer[0] if len(outer) == 1 else None
+            outer = {task for task, threads in self._threads.items() if me in threads and task in self._direct}
+            outer.update(task for task, thread in self._own.items() if thread == me)
+        return outer.pop() if len(outer) == 1 else None
+
+    @contextlib.contextmanager
+    def running(self, outs: Sequence[torch.Tensor]) -> Iterator[None]:
+        """The backward from ``outs`` that zfunc runs inside the block (`zfunc.backward_step`, a
+        pullback) is one of the binding's direct backwards (`around`), also where it reaches no
+        call's outputs (a whole call under a reentrant checkpoint ran without autograd): a
+        segment's backward inside it is seeded as it is, not as a backward around it."""
+        tasks: list[int] = []
+
+        def note(task: int) -> None:
+            with self._lock:
+                self._own[task] = threading.get_ident()
+            tasks.append(task)
+
+        handles = [note_backwards(t, note) for t in outs]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                if handle is not None:
+                    handle.remove()
+            with self._lock:
+                for task in tasks:
+                    self._own.pop(task, None)
 
     def ran_here(self) -> bool:
         """Whether this thread runs a backward through one of the calls' outputs (its marker ran

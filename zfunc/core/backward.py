@@ -286,7 +286,8 @@ def backward_step(state: TrainState, loss_fn: Callable[..., Any], batch: Any, *,
                             f"a {loss.dtype} tensor{'' if loss.requires_grad else ' that needs no gradient'} (computed "
                             "under torch.no_grad(), detached, or not from the model the loss_fn receives?)")
         seed = None if state.cfg.loss_scale is None else loss_scaled(state, torch.ones_like(loss))
-        loss.backward(seed)  # into `grads` through the sinks (plain backward: reentrant checkpointing works)
+        with state.binding.flight.running([loss]):
+            loss.backward(seed)  # into `grads` through the sinks (plain backward: reentrant checkpointing works)
         check_sinks(sinks, state, grads)
     loss = loss.detach().reshape(())
     new = record_micro(state, grads, loss=loss, buffers=model.new_buffers, fold=fold, forward=True)
@@ -384,8 +385,9 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
             raise RuntimeError("pullback: no output of the function requires grad (all detached or computed "
                                "without grad); nothing reaches the parameters")
         with used_up_on_failure(state, donate, "vjp"):
-            torch.autograd.backward([o for o, _ in pairs], [loss_scaled(state, c) for _, c in pairs],
-                                    retain_graph=retain_graph)
+            with state.binding.flight.running([o for o, _ in pairs]):
+                torch.autograd.backward([o for o, _ in pairs], [loss_scaled(state, c) for _, c in pairs],
+                                        retain_graph=retain_graph)
             check_sinks(sinks, state, grads)
         # Kept for another call: this result's buffers are a copy (a recomputation in the next
         # call's backward updates the call's buffers, BatchNorm's statistics, in place).
