@@ -423,11 +423,12 @@ def test_a_step_a_gradient_hook_of_the_engines_backward_makes_keeps_its_factor(s
 
 
 @pytest.mark.parametrize("stage", [0, 3])
-def test_a_scaled_loss_over_a_checkpointed_and_a_plain_engine_call(stage):
+@pytest.mark.parametrize("plain_too", [True, False])
+def test_a_scaled_loss_over_a_checkpointed_engine_call(stage, plain_too):
     """Under fp16 loss scaling, ``engine.scale(loss).backward()`` of a loss over an engine call
-    inside a reentrant checkpoint and a plain one: the checkpoint's backward through the
-    recomputed call is part of the scaled backward (not refused as an unscaled one), and the
-    gradients equal ``engine.backward(loss)``'s."""
+    inside a reentrant checkpoint (and a plain one, ``plain_too``): the checkpoint's backward
+    through the recomputed call is part of the scaled backward (not refused as an unscaled one),
+    and the gradients equal ``engine.backward(loss)``'s."""
     from torch.utils.checkpoint import checkpoint
 
     cfg = _config(stage, 2)
@@ -436,7 +437,9 @@ def test_a_scaled_loss_over_a_checkpointed_and_a_plain_engine_call(stage):
     got = {}
     for how in ("backward", "scale"):
         engine, *_ = zfunc.initialize(model=_model(), config=cfg)
-        pred = checkpoint(engine, x.clone().requires_grad_(), use_reentrant=True) + engine(2 * x)
+        pred = checkpoint(engine, x.clone().requires_grad_(), use_reentrant=True)
+        if plain_too:
+            pred = pred + engine(2 * x)
         loss = F.mse_loss(pred.float(), y)
         if how == "backward":
             engine.backward(loss)

@@ -83,6 +83,40 @@ def test_a_donated_state_refuses_every_further_use():
                 assert "donated to" in message and "donate=True" in message, (stage, rank, message)
 
 
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_step_on_a_state_from_inside_its_donating_call_is_refused(stage):
+    """A donating ``backward_step`` (``donate=True``) writes the state's gradient buffer as it
+    goes: a step function on the same state from inside it (its ``loss_fn``; a gradient hook of
+    its backward, at the second micro-batch, where it would read half-written gradients) is
+    refused, naming the cause; a read (``full_params``) is not. The donating call itself then
+    fails as a failed donating call does (the state is used up); the state it would have
+    returned is not made."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    state = zfunc.init(model, zfunc.Config(stage=stage, grad_accum=2, optimizer=zfunc.sgd(lr=1.0)))
+    x = torch.randn(2, 3, generator=torch.Generator().manual_seed(0))
+    sq = lambda m, x: m(x).square().sum()  # noqa: E731
+    state, _ = zfunc.backward_step(state, sq, x)
+    read, box = [], {}
+
+    def inside_loss(m, x):
+        read.append(zfunc.full_params(box["given"]))
+        zfunc.backward_step(box["given"], sq, x)
+        return sq(m, x)
+
+    def hooked_loss(m, x):
+        out = m(x)
+        out.register_hook(lambda g: (zfunc.apply_step(box["given"]), g)[1])
+        return out.square().sum()
+
+    for loss_fn, what in ((inside_loss, "backward_step"), (hooked_loss, "apply_step")):
+        box["given"] = copy.deepcopy(state)
+        with pytest.raises(RuntimeError, match=f"{what}: this state was given to backward_step"):
+            zfunc.backward_step(box["given"], loss_fn, x, donate=True)
+    assert len(read) == 1  # the read went through
+    state, _ = zfunc.backward_step(state, sq, x, donate=True)  # the mark goes with the call
+    zfunc.apply_step(state, donate=True)
+
 def _memory(rank: int, stage: int) -> tuple[dict, int, int, dict, dict, dict]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(30, 31), torch.nn.Linear(31, 5))  # 1121 params

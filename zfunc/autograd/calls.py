@@ -140,6 +140,18 @@ class InFlight:
             outer.update(task for task, thread in self._own.items() if thread == me)
         return outer.pop() if len(outer) == 1 else None
 
+    def own(self, task: int) -> None:
+        """Backward ``task``, running now (one through a loss the engine scaled,
+        `zfunc.compat.engine.Engine.scale`), is one of the binding's direct backwards until it
+        ends (`around`), as one `running` notes."""
+        with self._lock:
+            self._own[task] = threading.get_ident()
+        at_backward_end(_Left(functools.partial(self._disown, task)))
+
+    def _disown(self, task: int) -> None:
+        with self._lock:
+            self._own.pop(task, None)
+
     @contextlib.contextmanager
     def running(self, outs: Sequence[torch.Tensor]) -> Iterator[None]:
         """The backward from ``outs`` that zfunc runs inside the block (`zfunc.backward_step`, a
@@ -215,7 +227,7 @@ def _entered(call: Any, flight: InFlight, again: bool, task: int) -> None:
     call.tasks.add(task)
     first = flight.backwards == 0
     flight._enter_backward(task, again)  # (counted before the hooks are armed: `InFlight.idle` disarms at none)
-    at_backward_end(_Left(flight, task, again))  # at its end, or when it fails (`_Left`)
+    at_backward_end(_Left(functools.partial(flight._leave_backward, task, again)))  # at its end, or when it fails
     on_backward = getattr(call, "on_backward", None)  # the binding's recompute hooks are armed
     if on_backward is not None:
         on_backward(first)
@@ -244,20 +256,20 @@ def at_backward_end(fn: Callable[[], Any]) -> None:
 
 
 class _Left:
-    """A backward's end, run by autograd as its final callback, or, when the backward raises
-    and autograd drops its callbacks unrun, as it lets this go: either way the backward stops
-    being counted, whichever thread ran it (on CUDA, autograd's device thread)."""
+    """``done()`` at a backward's end, run by autograd as its final callback, or, when the
+    backward raises and autograd drops its callbacks unrun, as it lets this go: either way once,
+    whichever thread ran it (on CUDA, autograd's device thread). A backward stops being counted
+    (`_entered`), or being the binding's own (`InFlight.own`)."""
 
-    __slots__ = ("flight", "task", "again")
+    __slots__ = ("done",)
 
-    def __init__(self, flight: InFlight, task: int, again: bool):
-        self.flight: InFlight | None = flight
-        self.task, self.again = task, again
+    def __init__(self, done: Callable[[], Any]):
+        self.done: Callable[[], Any] | None = done
 
     def __call__(self) -> None:
-        flight, self.flight = self.flight, None
-        if flight is not None:
-            flight._leave_backward(self.task, self.again)
+        done, self.done = self.done, None
+        if done is not None:
+            done()
 
     def __del__(self) -> None:
         self()

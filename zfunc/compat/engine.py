@@ -282,8 +282,14 @@ class Engine(ConfigAccessors, WeightsOut, Checkpoints, torch.nn.Module):
         self._check_scalar(loss, "scale")
         scaled = loss_scaled(self._state, loss)
         if scaled is not loss:  # a backward through it is scaled: noted as it passes
-            calls.note_backwards(scaled, self._scaled_tasks.add)
+            calls.note_backwards(scaled, self._scaled_backward)
         return scaled
+
+    def _scaled_backward(self, task: int) -> None:
+        """Backward ``task`` runs through a loss `scale` returned: scaled, and the binding's own
+        (a reentrant checkpoint's backward inside it counts as it, `calls.InFlight.own`)."""
+        self._scaled_tasks.add(task)
+        self._state.binding.flight.own(task)
 
     @staticmethod
     def _check_scalar(loss: Any, what: str) -> None:

@@ -34,7 +34,7 @@ from zfunc._tree import tree
 from zfunc.autograd.average import Average, ranks_averaged
 from zfunc.autograd.bound import BoundModel
 from zfunc.autograd.buckets import Fold, reduce_group
-from zfunc.core.donation import check_live, donate_, is_donated
+from zfunc.core.donation import check_live, check_not_giving, donate_, giving, is_donated
 from zfunc.core.state import TrainState, accumulator, host_flag
 
 __all__ = ["backward_step", "vjp", "accumulate", "record_micro", "check_room", "sinks_into", "point_sinks",
@@ -57,6 +57,7 @@ def check_room(state: TrainState, what: str) -> None:
         backward_step: grad_accum=1 micro-batches are accumulated already; call ap
     """
     check_live(state, what)
+    check_not_giving(state, what)
     n, ga = int(state.micro_step), state.cfg.grad_accum
     if n >= ga:
         raise RuntimeError(
@@ -149,9 +150,11 @@ def used_up_on_failure(state: TrainState, donate: bool, by: str) -> Iterator[Non
     fails) marks ``state`` as given away: its gradient buffer and buffers (BatchNorm's
     statistics, updated in place) may hold part of the call, so it must not be used again, and
     the error says so. Without ``donate`` nothing of ``state`` is written, and a failure leaves it
-    whole."""
+    whole. With ``donate`` the state is marked as given while the block runs (`giving`): a step
+    function a call from inside it makes on the same state is refused."""
     try:
-        yield
+        with giving(state, by) if donate else contextlib.nullcontext():
+            yield
     except BaseException as e:
         if donate and not is_donated(state):  # (not twice: a pullback after its forward)
             donate_(state, by)

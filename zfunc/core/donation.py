@@ -5,13 +5,16 @@ tensors are the result's (or garbage). As JAX deletes donated buffers, zfunc tak
 out of the donated state: each of its tensor fields becomes a `Donated` marker that raises,
 naming ``donate``, on any use (arithmetic, a method, a torch function), and every step
 function, `zfunc.full_params` and `zfunc.save` refuse the state at the door. Its static
-fields (``cfg``, ``layout``) stay readable. This is the one mutation of a state zfunc makes,
-and only of one the caller gave away.
+fields (``cfg``, ``layout``) stay readable. While the donating call runs, a mark on the state
+(`giving`) refuses the step functions a call from inside it makes on the same state. This is
+the one mutation of a state zfunc makes, and only of one the caller gave away.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
@@ -21,7 +24,7 @@ from zfunc.autograd.swap import set_data
 if TYPE_CHECKING:
     from zfunc.core.state import TrainState
 
-__all__ = ["Donated", "donate_", "check_live", "is_donated"]
+__all__ = ["Donated", "donate_", "check_live", "is_donated", "giving", "check_not_giving"]
 
 
 class Donated:
@@ -147,3 +150,38 @@ def check_live(state: TrainState, what: str) -> None:
     if is_donated(state):
         raise RuntimeError(_message(state.__dict__["params"].by, what))
     state.check_unspent(what)
+
+
+@contextlib.contextmanager
+def giving(state: TrainState, by: str) -> Iterator[None]:
+    """``state`` is given to ``by`` (``donate=True``) while the block runs: `check_not_giving`
+    refuses the calls that would write or read its buffers from inside it (its ``loss_fn``, a
+    gradient hook of its backward)."""
+    object.__setattr__(state, "_zfunc_giving", by)
+    try:
+        yield
+    finally:
+        state.__dict__.pop("_zfunc_giving", None)
+
+
+def check_not_giving(state: TrainState, what: str) -> None:
+    """Refuse ``what`` on a state a donating call is running on now (`giving`): that call writes
+    the state's buffers as it goes (its gradient accumulator, its buffers), so a call from inside
+    it (its ``loss_fn``, a gradient hook of its backward) would read them half written.
+
+    Examples:
+        >>> import torch, zfunc
+        >>> state = zfunc.init(torch.nn.Linear(1, 1), zfunc.Config())
+        >>> with giving(state, "backward_step"):
+        ...     try:
+        ...         check_not_giving(state, "apply_step")
+        ...     except RuntimeError as e:
+        ...         print(str(e)[:61])
+        apply_step: this state was given to backward_step(..., donate
+    """
+    by = state.__dict__.get("_zfunc_giving")
+    if by is not None:
+        raise RuntimeError(
+            f"{what}: this state was given to {by}(..., donate=True), which is running now and writes its buffers "
+            f"as it goes (this call comes from inside it: its loss_fn, or a gradient hook of its backward). Call "
+            f"{what} on the state {by} returns, or call {by} without donate=True")

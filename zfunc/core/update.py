@@ -29,7 +29,7 @@ from zfunc.distributed import comm
 from zfunc.distributed.pool import whole
 from zfunc._probes import tensors_over
 from zfunc.core import opt_state
-from zfunc.core.donation import check_live, donate_
+from zfunc.core.donation import check_live, check_not_giving, donate_
 from zfunc.core.muon import muon_step
 from zfunc.core.optim import MuonConfig
 from zfunc.distributed.layout import master_view
@@ -202,6 +202,7 @@ def apply_step(state: TrainState, *, donate: bool = False, micro_batches: int | 
         -0.8072
     """
     check_live(state, "apply_step")
+    check_not_giving(state, "apply_step")
     if int(state.micro_step) == 0:  # on the host: no wait
         raise RuntimeError(
             "apply_step: no micro-batch was accumulated since the last step (backward_step, vjp's pullback or "
