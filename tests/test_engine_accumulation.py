@@ -448,6 +448,61 @@ def test_a_scaled_loss_over_a_checkpointed_engine_call(stage, plain_too):
         got[how] = [zfunc.utils.safe_get_full_grad(p).clone() for p in engine.module.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(got["scale"], got["backward"]))
 
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")  # torch's, in the outer no_grad forward
+def test_steps_and_engine_backwards_nested_in_each_others_hooks_keep_their_factors(stage):
+    """One thread, one binding: ``engine.backward(loss)`` over the engine's call under a reentrant
+    checkpoint, made by a gradient hook of a ``backward_step`` on the engine's own state; and a
+    ``backward_step`` on the engine's own state whose loss checkpoints the whole call, made by a
+    gradient hook of ``engine.backward``. Each backward inside the other is seeded as the
+    innermost one around it (`InFlight.around`): the engine's gradient is its loss's over GAS,
+    the step's is its own micro-batch's, as each run alone."""
+    from torch.utils.checkpoint import checkpoint
+
+    x, y = _micro(0, 0, 0)
+
+    def whole(model, x):
+        return F.mse_loss(checkpoint(model, x.clone().requires_grad_(), use_reentrant=True), y)
+
+    def engine_grads(engine):
+        return [zfunc.utils.safe_get_full_grad(p).clone() for p in engine.module.parameters()]
+
+    alone, *_ = zfunc.initialize(model=_model(), config=_config(stage, 2))
+    alone.backward(whole(alone, x))
+    want = engine_grads(alone)
+    engine, *_ = zfunc.initialize(model=_model(), config=_config(stage, 2))
+    done = []
+
+    def engine_in_hook(grad):
+        if not done:
+            done.append(True)
+            with torch.enable_grad():  # (a gradient hook runs under no_grad)
+                engine.backward(whole(engine, x))
+        return grad
+
+    def hooked(model, x):
+        out = model(x)
+        out.register_hook(engine_in_hook)
+        return F.mse_loss(out, y)
+
+    zfunc.backward_step(engine.state, hooked, x)
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-7) for a, b in zip(engine_grads(engine), want))
+
+    state_alone = zfunc.backward_step(engine.state, whole, x)[0].grads.clone()
+    inside = {}
+
+    def step_in_hook(grad):
+        if not inside:
+            with torch.enable_grad():
+                inside["grads"] = zfunc.backward_step(engine.state, whole, x)[0].grads.clone()
+        return grad
+
+    out = engine(x)
+    out.register_hook(step_in_hook)
+    engine.backward(F.mse_loss(out, y))
+    assert torch.allclose(inside["grads"], state_alone, rtol=0, atol=1e-7), (inside["grads"] / state_alone)[:3]
+
 def test_an_engine_and_its_bound_model_deep_copy():
     """``copy.deepcopy`` of an engine and of the bound model a loss function receives works (the
     binding, and its record of calls in flight, shared as a state's copies share them)."""

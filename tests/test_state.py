@@ -85,37 +85,43 @@ def test_a_donated_state_refuses_every_further_use():
 
 
 @pytest.mark.parametrize("stage", [0, 3])
-def test_a_step_on_a_state_from_inside_its_donating_call_is_refused(stage):
-    """A donating ``backward_step`` (``donate=True``) writes the state's gradient buffer as it
-    goes: a step function on the same state from inside it (its ``loss_fn``; a gradient hook of
-    its backward, at the second micro-batch, where it would read half-written gradients) is
-    refused, naming the cause; a read (``full_params``) is not. The donating call itself then
-    fails as a failed donating call does (the state is used up); the state it would have
-    returned is not made."""
+def test_a_step_from_a_hook_of_a_donating_backward_is_refused(stage):
+    """A donating ``backward_step`` (``donate=True``) writes the state's gradient buffer as its
+    backward goes: a step function on the same state from a gradient hook of that backward
+    (at the second micro-batch, where it would read half-written gradients) is refused, naming
+    the cause, and the donating call fails as a failed donating call does. From its ``loss_fn``
+    (before the backward) a step, and a read, go through: the inner step's gradient is that of
+    its own micro-batch."""
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
     state = zfunc.init(model, zfunc.Config(stage=stage, grad_accum=2, optimizer=zfunc.sgd(lr=1.0)))
     x = torch.randn(2, 3, generator=torch.Generator().manual_seed(0))
     sq = lambda m, x: m(x).square().sum()  # noqa: E731
     state, _ = zfunc.backward_step(state, sq, x)
-    read, box = [], {}
+    box: dict[str, Any] = {}
 
-    def inside_loss(m, x):
-        read.append(zfunc.full_params(box["given"]))
-        zfunc.backward_step(box["given"], sq, x)
-        return sq(m, x)
+    def hooked(what):
+        def loss_fn(m, x):
+            out = m(x)
+            step = zfunc.apply_step if what == "apply_step" else lambda st: zfunc.backward_step(st, sq, x)
+            out.register_hook(lambda g: (step(box["given"]), g)[1])
+            return out.square().sum()
+        return loss_fn
 
-    def hooked_loss(m, x):
-        out = m(x)
-        out.register_hook(lambda g: (zfunc.apply_step(box["given"]), g)[1])
-        return out.square().sum()
-
-    for loss_fn, what in ((inside_loss, "backward_step"), (hooked_loss, "apply_step")):
+    for what in ("backward_step", "apply_step"):
         box["given"] = copy.deepcopy(state)
         with pytest.raises(RuntimeError, match=f"{what}: this state was given to backward_step"):
-            zfunc.backward_step(box["given"], loss_fn, x, donate=True)
-    assert len(read) == 1  # the read went through
-    state, _ = zfunc.backward_step(state, sq, x, donate=True)  # the mark goes with the call
-    zfunc.apply_step(state, donate=True)
+            zfunc.backward_step(box["given"], hooked(what), x, donate=True)
+
+    def inside_loss(m, x):
+        box["read"] = zfunc.full_params(box["given"])
+        box["inner"] = zfunc.backward_step(box["given"], sq, 2 * x)[0]
+        return sq(m, x)
+
+    box["given"] = copy.deepcopy(state)
+    outer, _ = zfunc.backward_step(box["given"], inside_loss, x, donate=True)
+    alone = zfunc.backward_step(copy.deepcopy(state), sq, 2 * x)[0]
+    assert torch.equal(box["inner"].grads, alone.grads)
+    assert torch.equal(outer.grads, zfunc.backward_step(copy.deepcopy(state), sq, x)[0].grads)
 
 def _memory(rank: int, stage: int) -> tuple[dict, int, int, dict, dict, dict]:
     torch.manual_seed(0)

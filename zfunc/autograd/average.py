@@ -57,22 +57,27 @@ def seeded_now(flight: calls.InFlight | None = None) -> bool:
     backward in the thread of a seeded one is nested in it unless it reached one of the calls'
     outputs itself (``flight``, the binding's record): reentrant checkpointing differentiates a
     segment in a graph task of its own, whose outputs were made under ``no_grad`` and so are not
-    marked, whether the call is inside the segment or the segment inside the call. A segment's
-    backward inside a backward through the calls' outputs (the one this thread entered,
-    `calls.InFlight.around`) is seeded as that one is: a call a gradient hook of a seeded backward
-    makes has its own."""
+    marked, whether the call is inside the segment or the segment inside the call. With the
+    binding's record, a segment's backward is seeded as the innermost backward around it in its
+    thread is, of the seeded ones and the binding's own (`calls.InFlight.around`): a step a
+    gradient hook of a seeded backward makes has its own factor, and an engine's backward inside
+    a hook of a step its own."""
     if not SEEDED:
         return False
     task = graph_task() if flight is None else flight.task_now()
     if task in SEEDED:
         return True
-    if flight is not None:
-        if flight.through_calls(task):
-            return False
-        around = flight.around()
-        if around is not None:
-            return around in SEEDED
-    return threading.get_ident() in SEEDED.values()
+    me = threading.get_ident()
+    if flight is None:
+        return me in SEEDED.values()
+    if flight.through_calls(task):
+        return False
+    with _LOCK:  # the innermost of this thread's seeded backwards and the binding's own around it
+        inside = [t for t, thread in SEEDED.items() if thread == me]
+    around = flight.around()
+    if around is not None:
+        inside.append(around)
+    return bool(inside) and max(inside) in SEEDED
 
 
 class _Mark:

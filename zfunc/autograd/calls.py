@@ -131,14 +131,16 @@ class InFlight:
         return outer[0] if len(outer) == 1 else None
 
     def around(self) -> int | None:
-        """The one backward through a call's outputs that was not a recomputation (`through_calls`)
-        this thread entered, or None (none, or several): for a nested backward, the backward it
-        belongs to."""
+        """The innermost of the binding's direct backwards this thread runs now (through the
+        outputs of a call that was not a recomputation, `through_calls`, or one zfunc runs or
+        notes itself, `running`, `own`), or None: for a nested backward, the backward it belongs
+        to. One thread's backwards nest, and a graph task's id grows with each backward: the
+        innermost is the largest."""
         me = threading.get_ident()
         with self._lock:
-            outer = {task for task, threads in self._threads.items() if me in threads and task in self._direct}
-            outer.update(task for task, thread in self._own.items() if thread == me)
-        return outer.pop() if len(outer) == 1 else None
+            mine = [task for task, threads in self._threads.items() if me in threads and task in self._direct]
+            mine.extend(task for task, thread in self._own.items() if thread == me)
+        return max(mine) if mine else None
 
     def own(self, task: int) -> None:
         """Backward ``task``, running now (one through a loss the engine scaled,

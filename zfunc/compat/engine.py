@@ -269,7 +269,9 @@ class Engine(ConfigAccessors, WeightsOut, Checkpoints, torch.nn.Module):
         self._check_scalar(loss, "backward")
         ga = self.cfg.grad_accum
         seed = loss_scaled(self._live(), torch.full_like(loss, 1.0 / ga if scale_wrt_gas else 1.0))
-        with Average.seeded(loss):  # the factor where gradients enter: 1 / world (the seed has the rest)
+        # The factor where gradients enter: 1 / world (the seed has the rest); the backward is the
+        # binding's own (a reentrant checkpoint's inside it counts as it)
+        with Average.seeded(loss), self._state.binding.flight.running([loss]):
             loss.backward(seed, retain_graph=retain_graph)
         detached = loss.detach().reshape(()).float()
         self._losses.append(detached)

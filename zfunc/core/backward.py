@@ -150,11 +150,9 @@ def used_up_on_failure(state: TrainState, donate: bool, by: str) -> Iterator[Non
     fails) marks ``state`` as given away: its gradient buffer and buffers (BatchNorm's
     statistics, updated in place) may hold part of the call, so it must not be used again, and
     the error says so. Without ``donate`` nothing of ``state`` is written, and a failure leaves it
-    whole. With ``donate`` the state is marked as given while the block runs (`giving`): a step
-    function a call from inside it makes on the same state is refused."""
+    whole."""
     try:
-        with giving(state, by) if donate else contextlib.nullcontext():
-            yield
+        yield
     except BaseException as e:
         if donate and not is_donated(state):  # (not twice: a pullback after its forward)
             donate_(state, by)
@@ -162,6 +160,12 @@ def used_up_on_failure(state: TrainState, donate: bool, by: str) -> Iterator[Non
                        "buffer and buffers may hold part of this call): continue from an earlier state. Without "
                        "donate=True a call that fails leaves the state whole")
         raise
+
+
+def _giving(state: TrainState, donate: bool, by: str) -> contextlib.AbstractContextManager:
+    """With ``donate``, ``state`` marked as given to ``by`` while its backward writes the state's
+    gradient buffer (`zfunc.core.donation.giving`): a step on it from a gradient hook is refused."""
+    return giving(state, by) if donate else contextlib.nullcontext()
 
 
 def loss_scaled(state: TrainState, t: torch.Tensor) -> torch.Tensor:
@@ -289,7 +293,7 @@ def backward_step(state: TrainState, loss_fn: Callable[..., Any], batch: Any, *,
                             f"a {loss.dtype} tensor{'' if loss.requires_grad else ' that needs no gradient'} (computed "
                             "under torch.no_grad(), detached, or not from the model the loss_fn receives?)")
         seed = None if state.cfg.loss_scale is None else loss_scaled(state, torch.ones_like(loss))
-        with state.binding.flight.running([loss]):
+        with state.binding.flight.running([loss]), _giving(state, donate, "backward_step"):
             loss.backward(seed)  # into `grads` through the sinks (plain backward: reentrant checkpointing works)
         check_sinks(sinks, state, grads)
     loss = loss.detach().reshape(())
@@ -388,7 +392,7 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
             raise RuntimeError("pullback: no output of the function requires grad (all detached or computed "
                                "without grad); nothing reaches the parameters")
         with used_up_on_failure(state, donate, "vjp"):
-            with state.binding.flight.running([o for o, _ in pairs]):
+            with state.binding.flight.running([o for o, _ in pairs]), _giving(state, donate, "vjp"):
                 torch.autograd.backward([o for o, _ in pairs], [loss_scaled(state, c) for _, c in pairs],
                                         retain_graph=retain_graph)
             check_sinks(sinks, state, grads)

@@ -5,8 +5,8 @@ tensors are the result's (or garbage). As JAX deletes donated buffers, zfunc tak
 out of the donated state: each of its tensor fields becomes a `Donated` marker that raises,
 naming ``donate``, on any use (arithmetic, a method, a torch function), and every step
 function, `zfunc.full_params` and `zfunc.save` refuse the state at the door. Its static
-fields (``cfg``, ``layout``) stay readable. While the donating call runs, a mark on the state
-(`giving`) refuses the step functions a call from inside it makes on the same state. This is
+fields (``cfg``, ``layout``) stay readable. While the donating call's backward runs, a mark on
+the state (`giving`) refuses the step functions a gradient hook calls on the same state. This is
 the one mutation of a state zfunc makes, and only of one the caller gave away.
 """
 
@@ -154,9 +154,9 @@ def check_live(state: TrainState, what: str) -> None:
 
 @contextlib.contextmanager
 def giving(state: TrainState, by: str) -> Iterator[None]:
-    """``state`` is given to ``by`` (``donate=True``) while the block runs: `check_not_giving`
-    refuses the calls that would write or read its buffers from inside it (its ``loss_fn``, a
-    gradient hook of its backward)."""
+    """``state`` is given to ``by`` (``donate=True``) while the block (its backward, which writes
+    the state's gradient buffer as it goes) runs: `check_not_giving` refuses the step functions
+    a gradient hook calls on it."""
     object.__setattr__(state, "_zfunc_giving", by)
     try:
         yield
@@ -165,9 +165,9 @@ def giving(state: TrainState, by: str) -> Iterator[None]:
 
 
 def check_not_giving(state: TrainState, what: str) -> None:
-    """Refuse ``what`` on a state a donating call is running on now (`giving`): that call writes
-    the state's buffers as it goes (its gradient accumulator, its buffers), so a call from inside
-    it (its ``loss_fn``, a gradient hook of its backward) would read them half written.
+    """Refuse ``what`` on a state whose donating call's backward runs now (`giving`): that
+    backward writes the state's gradient buffer as it goes, so a step a gradient hook of it
+    makes would read the buffer half written (how much, depends on where the hook runs).
 
     Examples:
         >>> import torch, zfunc
@@ -182,6 +182,6 @@ def check_not_giving(state: TrainState, what: str) -> None:
     by = state.__dict__.get("_zfunc_giving")
     if by is not None:
         raise RuntimeError(
-            f"{what}: this state was given to {by}(..., donate=True), which is running now and writes its buffers "
-            f"as it goes (this call comes from inside it: its loss_fn, or a gradient hook of its backward). Call "
+            f"{what}: this state was given to {by}(..., donate=True), whose backward is running now and writes the "
+            f"state's gradient buffer as it goes (this call comes from a gradient hook of that backward). Call "
             f"{what} on the state {by} returns, or call {by} without donate=True")
