@@ -146,13 +146,17 @@ class InFlight:
         """Backward ``task``, running now (one through a loss the engine scaled,
         `zfunc.compat.engine.Engine.scale`), is one of the binding's direct backwards until it
         ends (`around`), as one `running` notes."""
-        with self._lock:
-            self._own[task] = threading.get_ident()
+        self._claim(task)
         at_backward_end(_Left(functools.partial(self._disown, task)))
 
-    def _disown(self, task: int) -> None:
+    def _claim(self, task: int) -> None:
         with self._lock:
-            self._own.pop(task, None)
+            self._own[task] = threading.get_ident()
+
+    def _disown(self, *tasks: int) -> None:
+        with self._lock:
+            for task in tasks:
+                self._own.pop(task, None)
 
     @contextlib.contextmanager
     def running(self, outs: Sequence[torch.Tensor]) -> Iterator[None]:
@@ -163,8 +167,7 @@ class InFlight:
         tasks: list[int] = []
 
         def note(task: int) -> None:
-            with self._lock:
-                self._own[task] = threading.get_ident()
+            self._claim(task)
             tasks.append(task)
 
         handles = [note_backwards(t, note) for t in outs]
@@ -174,9 +177,7 @@ class InFlight:
             for handle in handles:
                 if handle is not None:
                     handle.remove()
-            with self._lock:
-                for task in tasks:
-                    self._own.pop(task, None)
+            self._disown(*tasks)
 
     def ran_here(self) -> bool:
         """Whether this thread runs a backward through one of the calls' outputs (its marker ran

@@ -162,12 +162,6 @@ def used_up_on_failure(state: TrainState, donate: bool, by: str) -> Iterator[Non
         raise
 
 
-def _giving(state: TrainState, donate: bool, by: str) -> contextlib.AbstractContextManager:
-    """With ``donate``, ``state`` marked as given to ``by`` while its backward writes the state's
-    gradient buffer (`zfunc.core.donation.giving`): a step on it from a gradient hook is refused."""
-    return giving(state, by) if donate else contextlib.nullcontext()
-
-
 def loss_scaled(state: TrainState, t: torch.Tensor) -> torch.Tensor:
     """``t`` times the loss scale (``t`` itself without loss scaling). A float16 ``t`` is
     multiplied in float32 and rounded once (a cotangent; a float16 loss seeded with a scale of
@@ -293,7 +287,7 @@ def backward_step(state: TrainState, loss_fn: Callable[..., Any], batch: Any, *,
                             f"a {loss.dtype} tensor{'' if loss.requires_grad else ' that needs no gradient'} (computed "
                             "under torch.no_grad(), detached, or not from the model the loss_fn receives?)")
         seed = None if state.cfg.loss_scale is None else loss_scaled(state, torch.ones_like(loss))
-        with state.binding.flight.running([loss]), _giving(state, donate, "backward_step"):
+        with state.binding.flight.running([loss]), giving(state, "backward_step", donate):
             loss.backward(seed)  # into `grads` through the sinks (plain backward: reentrant checkpointing works)
         check_sinks(sinks, state, grads)
     loss = loss.detach().reshape(())
@@ -392,7 +386,7 @@ def vjp(state: TrainState, fn: Callable[..., Any], *args: Any,
             raise RuntimeError("pullback: no output of the function requires grad (all detached or computed "
                                "without grad); nothing reaches the parameters")
         with used_up_on_failure(state, donate, "vjp"):
-            with state.binding.flight.running([o for o, _ in pairs]), _giving(state, donate, "vjp"):
+            with state.binding.flight.running([o for o, _ in pairs]), giving(state, "vjp", donate):
                 torch.autograd.backward([o for o, _ in pairs], [loss_scaled(state, c) for _, c in pairs],
                                         retain_graph=retain_graph)
             check_sinks(sinks, state, grads)

@@ -153,10 +153,13 @@ def check_live(state: TrainState, what: str) -> None:
 
 
 @contextlib.contextmanager
-def giving(state: TrainState, by: str) -> Iterator[None]:
-    """``state`` is given to ``by`` (``donate=True``) while the block (its backward, which writes
+def giving(state: TrainState, by: str, donate: bool = True) -> Iterator[None]:
+    """With ``donate``, ``state`` is given to ``by`` while the block (its backward, which writes
     the state's gradient buffer as it goes) runs: `check_not_giving` refuses the step functions
-    a gradient hook calls on it."""
+    a gradient hook calls on it. Without, nothing."""
+    if not donate:
+        yield
+        return
     object.__setattr__(state, "_zfunc_giving", by)
     try:
         yield
